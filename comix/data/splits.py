@@ -1,0 +1,148 @@
+"""Per-user token splits (CoMiGS Sec. 4.1.1, App. B.2) and nanoGPT-style batch sampling.
+
+Documents of each category are split into train / valid / test *by document* (no text shared),
+tokenised once (cached under ``$COMIX_CACHE/tokens``) and concatenated with EOS between
+documents. Three setups:
+  * ``in``  (in-distribution): user i trains, validates and tests on category i;
+  * ``ood`` (out-of-distribution): user i trains on category i, but validates and tests on a
+    uniform mixture of all categories (equal tokens from each);
+  * quantity skew: ``train_tokens`` gives each user a training-token budget (e.g. high/low x4).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import tempfile
+from dataclasses import dataclass, field
+
+import torch
+
+from .corpora import Corpus
+
+
+@dataclass
+class SplitConfig:
+    mode: str = "in"                      # "in" | "ood"
+    valid_frac: float = 0.1
+    test_frac: float = 0.1
+    train_tokens: list[int] | None = None  # per-user training-token budget (quantity skew)
+    valid_tokens: int | None = None        # cap per user (the router's validation set is small)
+    test_tokens: int | None = None         # cap per user; perplexity runs over the whole capped split
+    seed: int = 0                          # document-split seed (independent of the training seed)
+    users: list[str] | None = None         # categories to use, in user order (default: all)
+
+    def __post_init__(self):
+        if self.mode not in ("in", "ood"):
+            raise ValueError(f"data.mode must be 'in' or 'ood', got {self.mode!r}")
+        if not (0 < self.valid_frac < 1 and 0 < self.test_frac < 1 and self.valid_frac + self.test_frac < 1):
+            raise ValueError("data.valid_frac and data.test_frac must be in (0, 1) and sum below 1")
+
+
+@dataclass
+class UserData:
+    name: str
+    train: torch.Tensor
+    valid: torch.Tensor
+    test: torch.Tensor
+    splits: tuple[str, ...] = field(default=("train", "valid", "test"), repr=False)
+
+    def tokens(self, split: str) -> torch.Tensor:
+        return getattr(self, split)
+
+
+def _cache_path(key: str):
+    from ..models.base import cache_dir
+    return cache_dir() / "tokens" / f"{key}.pt"
+
+
+def tokenize_docs(docs: list[str], tokenizer) -> torch.Tensor:
+    """Concatenate documents with EOS between them; cached by tokenizer and text hash."""
+    h = hashlib.sha1()
+    h.update(f"{getattr(tokenizer, 'name_or_path', '')}|{len(tokenizer)}|{tokenizer.eos_token_id}".encode())
+    for d in docs:
+        h.update(hashlib.sha1(d.encode()).digest())
+    path = _cache_path(h.hexdigest())
+    if path.exists():
+        return torch.load(path)
+    eos = tokenizer.eos_token_id
+    ids: list[int] = []
+    for enc in tokenizer(docs, add_special_tokens=False)["input_ids"]:
+        ids.extend(enc)
+        ids.append(eos)
+    out = torch.tensor(ids, dtype=torch.int32)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    os.close(fd)
+    torch.save(out, tmp)
+    os.replace(tmp, path)
+    return out
+
+
+def _split_docs(docs: list[str], cfg: SplitConfig, name: str):
+    order = list(range(len(docs)))
+    random.Random(f"{cfg.seed}:{name}").shuffle(order)
+    n_test = max(1, round(cfg.test_frac * len(docs)))
+    n_valid = max(1, round(cfg.valid_frac * len(docs)))
+    if len(docs) < 3:
+        raise ValueError(f"category {name!r} has {len(docs)} documents; need at least 3 to split")
+    pick = lambda idx: [docs[i] for i in sorted(idx)]  # noqa: E731
+    return (pick(order[n_test + n_valid:]), pick(order[n_test:n_test + n_valid]), pick(order[:n_test]))
+
+
+def make_user_data(corpus: Corpus, tokenizer, cfg: SplitConfig | None = None) -> list[UserData]:
+    cfg = cfg or SplitConfig()
+    names = cfg.users or list(corpus)
+    for n in names:
+        if n not in corpus:
+            raise ValueError(f"data.users names {n!r}, which the corpus lacks (has {', '.join(corpus)})")
+    if cfg.train_tokens is not None and len(cfg.train_tokens) != len(names):
+        raise ValueError(f"data.train_tokens has {len(cfg.train_tokens)} entries for {len(names)} users")
+    parts = {}
+    for n in names:
+        tr, va, te = _split_docs(corpus[n], cfg, n)
+        parts[n] = {"train": tokenize_docs(tr, tokenizer), "valid": tokenize_docs(va, tokenizer),
+                    "test": tokenize_docs(te, tokenizer)}
+    users = []
+    for i, n in enumerate(names):
+        train = parts[n]["train"]
+        if cfg.train_tokens is not None:
+            if cfg.train_tokens[i] > len(train):
+                raise ValueError(f"data.train_tokens[{i}] = {cfg.train_tokens[i]} exceeds user {n!r}'s "
+                                 f"{len(train)} training tokens")
+            train = train[:cfg.train_tokens[i]]
+        evals = {}
+        for split, cap in (("valid", cfg.valid_tokens), ("test", cfg.test_tokens)):
+            if cfg.mode == "in":
+                evals[split] = parts[n][split][:cap] if cap else parts[n][split]
+            else:  # uniform mixture of every category, the same for all users
+                per = (cap or min(len(parts[m][split]) for m in names) * len(names)) // len(names)
+                evals[split] = torch.cat([parts[m][split][:per] for m in names])
+        users.append(UserData(n, train, evals["valid"], evals["test"]))
+    return users
+
+
+def token_table(users: list[UserData]) -> str:
+    """Token counts per user and split, laid out like CoMiGS's Table 4."""
+    head = f"{'':12s}" + "".join(f"{u.name:>12s}" for u in users)
+    rows = [f"{s.upper():12s}" + "".join(f"{len(u.tokens(s)):>12,d}" for u in users)
+            for s in ("train", "valid", "test")]
+    return "\n".join([head, *rows])
+
+
+def check_seq_len(users: list[UserData], seq_len: int) -> None:
+    for u in users:
+        for s in ("train", "valid", "test"):
+            if len(u.tokens(s)) < seq_len + 1:
+                raise ValueError(f"seq_len {seq_len} is longer than user {u.name!r}'s {s} split "
+                                 f"({len(u.tokens(s))} tokens)")
+
+
+def sample_batch(tokens: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator):
+    """Random windows as in nanoGPT: inputs x and next-token targets y, each (batch, seq_len)."""
+    if len(tokens) < seq_len + 1:
+        raise ValueError(f"seq_len {seq_len} is longer than the split ({len(tokens)} tokens)")
+    ix = torch.randint(len(tokens) - seq_len, (batch_size,), generator=generator)
+    x = torch.stack([tokens[i:i + seq_len] for i in ix.tolist()]).long()
+    y = torch.stack([tokens[i + 1:i + 1 + seq_len] for i in ix.tolist()]).long()
+    return x, y

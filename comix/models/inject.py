@@ -1,0 +1,117 @@
+"""Put adapters into a Hugging Face causal LM and name their roles.
+
+``inject_adapters(model, AdapterConfig(...))`` freezes the base model, wraps attention linears
+with LoRA and replaces each block's MLP by a plain-LoRA MLP or a ``MixtureOfLoRAMLP``. Roles are
+read from parameter names alone, so they survive state dicts and the wire:
+  ``...mlp.experts.0.*``         generalist (CoMiGS's shared expert)
+  ``...mlp.experts.<j>=1..>.*``  specialists
+  ``...mlp.router.*``            router
+  ``...mlp.<proj>.lora.*``       plain LoRA on the MLP (Local / FedAvg / ...)
+  other ``*.lora.*``             attention LoRA
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .lora import LoRAConfig, LoRALinear
+from .mixture import MixtureOfLoRA, MixtureOfLoRAMLP, detect_mlp_layout
+
+ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "c_attn", "c_proj")
+
+
+@dataclass
+class AdapterConfig:
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    attention: bool = True           # LoRA on every attention linear (CoMiGS Sec. 4.1.2)
+    mlp: str = "mixture"             # "mixture" | "lora" | "none"
+    n_experts: int = 2
+    top_k: int = 2
+    fused: bool = True
+
+    def __post_init__(self):
+        if self.mlp not in ("mixture", "lora", "none"):
+            raise ValueError(f"adapter.mlp must be mixture, lora or none; got {self.mlp!r}")
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The decoder blocks of a HF causal LM (Llama/Qwen2/Gemma: model.layers; GPT-2: transformer.h)."""
+    for path in ("model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers"):
+        obj = model
+        try:
+            for part in path.split("."):
+                obj = getattr(obj, part)
+        except AttributeError:
+            continue
+        return list(obj)
+    raise TypeError(f"cannot find transformer blocks in {type(model).__name__}")
+
+
+def _attention(block: nn.Module) -> nn.Module:
+    for name in ("self_attn", "attn", "attention"):
+        if hasattr(block, name):
+            return getattr(block, name)
+    raise TypeError(f"cannot find attention in {type(block).__name__}")
+
+
+def inject_adapters(model: nn.Module, cfg: AdapterConfig, n_experts: int | None = None) -> nn.Module:
+    """Freeze ``model`` and add adapters in place; ``n_experts`` overrides cfg (1GXS users)."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    d_model = model.config.hidden_size
+    n = n_experts or cfg.n_experts
+    for block in transformer_blocks(model):
+        if cfg.attention:
+            attn = _attention(block)
+            for name in ATTENTION_TARGETS:
+                if hasattr(attn, name) and not isinstance(getattr(attn, name), LoRALinear):
+                    setattr(attn, name, LoRALinear(getattr(attn, name), cfg.lora))
+        if cfg.mlp == "mixture":
+            block.mlp = MixtureOfLoRAMLP(block.mlp, d_model, n, cfg.top_k, cfg.lora, cfg.fused)
+        elif cfg.mlp == "lora":
+            for name in detect_mlp_layout(block.mlp).projections:
+                setattr(block.mlp, name, LoRALinear(getattr(block.mlp, name), cfg.lora))
+    return model
+
+
+def mixtures(model: nn.Module) -> list[MixtureOfLoRA]:
+    return [m for m in model.modules() if isinstance(m, MixtureOfLoRA)]
+
+
+_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
+
+
+def param_role(name: str) -> str:
+    """generalist | specialist | router | mlp_lora | attention_lora | base."""
+    m = _EXPERT.search(name)
+    if m:
+        return "generalist" if m.group(1) == "0" else "specialist"
+    if ".mlp.router." in name:
+        return "router"
+    if ".lora." in name or ".lora_" in name:
+        return "mlp_lora" if ".mlp." in name else "attention_lora"
+    return "base"
+
+
+def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every adapter tensor (detached views) keyed by its stable name."""
+    return {n: p.detach() for n, p in model.named_parameters() if param_role(n) != "base"}
+
+
+def select(state: dict[str, torch.Tensor], *roles: str) -> dict[str, torch.Tensor]:
+    """The subset of a state dict whose names have one of ``roles``."""
+    return {n: t for n, t in state.items() if param_role(n) in roles}
+
+
+def routing_stats(model: nn.Module) -> list[dict[str, torch.Tensor]]:
+    """Per block (in depth order): mean gate per expert over the last batch and each token's
+    top-1 expert; enable with ``set_record_stats(model, True)`` before the forward."""
+    return [m.stats for m in mixtures(model)]
+
+
+def set_record_stats(model: nn.Module, on: bool = True) -> None:
+    for m in mixtures(model):
+        m.record_stats = on

@@ -1,0 +1,83 @@
+"""LoRA on a frozen linear layer (``nn.Linear`` or GPT-2's ``Conv1D``).
+
+W = W0 + gamma * B A with gamma = alpha / sqrt(r): the rank-stabilised scaling of
+Kalajdzievski (2023) that CoMiGS uses (paper App. B.1, eq. 9). A is kaiming-uniform and B is
+zero, so an adapter starts as the identity edit (as in PEFT).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+
+@dataclass
+class LoRAConfig:
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    # "2x LoRA modules" (CoMiGS Sec. 4.2): m summed rank-r modules == one rank m*r module with
+    # the rank-r scaling, so `modules` multiplies the rank but not the scaling's sqrt(r).
+    modules: int = 1
+
+    def __post_init__(self):
+        if self.r < 1:
+            raise ValueError(f"lora.r must be >= 1, got {self.r}")
+        if self.modules < 1:
+            raise ValueError(f"lora.modules must be >= 1, got {self.modules}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def rank(self) -> int:
+        return self.r * self.modules
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / math.sqrt(self.r)
+
+
+def linear_dims(layer: nn.Module) -> tuple[int, int]:
+    """(in_features, out_features) of a Linear or a GPT-2 Conv1D (whose weight is in x out)."""
+    if isinstance(layer, nn.Linear):
+        return layer.in_features, layer.out_features
+    if isinstance(layer, Conv1D):
+        return layer.weight.shape[0], layer.weight.shape[1]
+    raise TypeError(f"LoRA needs nn.Linear or Conv1D, got {type(layer).__name__}")
+
+
+class LoRAWeights(nn.Module):
+    """The two low-rank factors of one adapter: ``lora_A`` (rank x in), ``lora_B`` (out x rank)."""
+
+    def __init__(self, in_features: int, out_features: int, rank: int):
+        super().__init__()
+        self.lora_A = nn.Parameter(torch.empty(rank, in_features))
+        self.lora_B = nn.Parameter(torch.zeros(out_features, rank))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+
+    def delta(self, x: torch.Tensor, scaling: float) -> torch.Tensor:
+        return (x @ self.lora_A.t()) @ self.lora_B.t() * scaling
+
+
+class LoRALinear(nn.Module):
+    """A frozen linear layer plus one LoRA adapter; the frozen layer stays at ``.base``."""
+
+    def __init__(self, base: nn.Module, cfg: LoRAConfig):
+        super().__init__()
+        in_f, out_f = linear_dims(base)
+        self.base = base
+        for p in self.base.parameters():
+            p.requires_grad_(False)
+        self.lora = LoRAWeights(in_f, out_f, cfg.rank)
+        self.scaling = cfg.scaling
+        self.dropout = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
+
+    @property
+    def weight(self):  # some HF code reads `.weight` of projections (dtype/device checks)
+        return self.base.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.lora.delta(self.dropout(x), self.scaling)

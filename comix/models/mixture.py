@@ -1,0 +1,226 @@
+"""CoMiGS mixture of LoRA experts on a transformer MLP (paper Sec. 3.1, eq. 1; App. C.4).
+
+Expert j is "the block's MLP with LoRA_j on each of its linear layers"; a per-block router
+(linear, no bias, d_model -> n) picks the top-k experts of each token and the block returns
+sum_j p_j(x) MLP_j(x), with p a softmax over the selected logits only. Expert 0 is the
+*generalist* (averaged across users when the algorithm says so), experts 1..n-1 are
+*specialists*; parameter names say so: ``<block>.mlp.experts.<j>.<proj>.lora_A``.
+
+Exact fused computation (DESIGN.md): the frozen projections are linear and shared by every
+expert, so each is applied once per token; only rank-r corrections and the elementwise work are
+per selected slot. Stacking every expert's A (n*r x d_in) lets one matmul serve all experts; a
+one-hot block mask per slot keeps the slot's own expert, and the down-projection's corrections
+are summed before a single multiply by the stacked B:
+
+  gated (Llama): h_s = act(G x + dG_e(s) x) * (U x + dU_e(s) x)
+                 y   = D (sum_s p_s h_s) + sum_s p_s dD_e(s) h_s
+  plain (GPT-2): h_s = act(F x + dF_e(s) x);  y = P (sum_s p_s h_s) + sum_s p_s dP_e(s) h_s
+
+``fused=False`` gives the textbook per-expert form (frozen MLP once per selected expert on its
+routed tokens), kept as the reference the tests compare against.
+
+The layer is a ``MixtureOfLoRA`` of a *router* and *experts*; a mixture on a single linear layer
+(FedAMoLE) or of dense FFN experts (DeepFusion) subclasses the same routing/statistics code and
+only supplies its own ``_experts_forward``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .lora import LoRAConfig, LoRAWeights, linear_dims
+
+
+@dataclass(frozen=True)
+class MLPLayout:
+    """Names of a HF MLP's parts. ``gate`` is None for GPT-2-style (non-gated) MLPs."""
+    up: str
+    down: str
+    act: str
+    gate: str | None = None
+    out_dropout: str | None = None
+
+    @property
+    def projections(self) -> tuple[str, ...]:
+        return ((self.gate,) if self.gate else ()) + (self.up, self.down)
+
+
+LLAMA_MLP = MLPLayout(gate="gate_proj", up="up_proj", down="down_proj", act="act_fn")
+GPT2_MLP = MLPLayout(up="c_fc", down="c_proj", act="act", out_dropout="dropout")
+
+
+def detect_mlp_layout(mlp: nn.Module) -> MLPLayout:
+    for layout in (LLAMA_MLP, GPT2_MLP):
+        if all(hasattr(mlp, p) for p in layout.projections):
+            return layout
+    raise TypeError(f"unsupported MLP {type(mlp).__name__}: expected gate/up/down_proj or c_fc/c_proj")
+
+
+@dataclass
+class Routing:
+    """One forward's routing decision for N tokens: top-k expert ids and their weights, plus the
+    full softmax (for the load-balancing loss, eq. 11)."""
+    topk_index: torch.Tensor    # (N, k) long
+    topk_weight: torch.Tensor   # (N, k) softmax over the selected logits
+    probs: torch.Tensor | None  # (N, n) softmax over all logits; None when n == 1
+
+    def dense_gates(self, n: int) -> torch.Tensor:
+        return torch.zeros(self.topk_index.shape[0], n, dtype=self.topk_weight.dtype,
+                           device=self.topk_weight.device).scatter(1, self.topk_index, self.topk_weight)
+
+
+class MixtureOfLoRA(nn.Module):
+    """Router + top-k selection + routing statistics; subclasses compute the experts."""
+
+    def __init__(self, d_model: int, n_experts: int, top_k: int):
+        super().__init__()
+        if not 1 <= n_experts <= 64:
+            raise ValueError(f"n_experts must be in 1..64, got {n_experts}")
+        if top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {top_k}")
+        self.n_experts, self.top_k = n_experts, min(top_k, n_experts)
+        # With one expert there is nothing to route: it gets weight 1 and no router exists.
+        self.router = nn.Linear(d_model, n_experts, bias=False) if n_experts > 1 else None
+        self.last_routing: Routing | None = None
+        self.record_stats = False
+        self.stats: dict[str, torch.Tensor] = {}
+
+    def route(self, x: torch.Tensor) -> Routing:
+        if self.router is None:
+            ones = x.new_ones(x.shape[0], 1)
+            return Routing(torch.zeros(x.shape[0], 1, dtype=torch.long, device=x.device), ones, None)
+        logits = self.router(x)
+        top_logits, top_index = logits.topk(self.top_k, dim=-1)
+        return Routing(top_index, top_logits.softmax(-1), logits.softmax(-1))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        shape = hidden.shape
+        x = hidden.reshape(-1, shape[-1])
+        routing = self.route(x)
+        # Kept for the load-balancing loss, which is a function of the router's own input tokens.
+        self.last_routing = routing
+        if self.record_stats:
+            with torch.no_grad():
+                self.stats = {"mean_gate": routing.dense_gates(self.n_experts).float().mean(0),
+                              "top1": routing.topk_index[:, 0].reshape(shape[:-1]).clone()}
+        return self._experts_forward(x, routing).reshape(*shape[:-1], -1)
+
+    def _experts_forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class MixtureOfLoRAMLP(MixtureOfLoRA):
+    """CoMiGS's MLP: n LoRA experts over one frozen HF MLP module (kept at ``.base``)."""
+
+    def __init__(self, mlp: nn.Module, d_model: int, n_experts: int, top_k: int = 2,
+                 lora: LoRAConfig | None = None, fused: bool = True):
+        super().__init__(d_model, n_experts, top_k)
+        lora = lora or LoRAConfig()
+        self.layout = detect_mlp_layout(mlp)
+        self.base = mlp
+        for p in self.base.parameters():
+            p.requires_grad_(False)
+        self.rank, self.scaling, self.fused = lora.rank, lora.scaling, fused
+        dims = {p: linear_dims(getattr(mlp, p)) for p in self.layout.projections}
+        self.experts = nn.ModuleList(
+            nn.ModuleDict({p: LoRAWeights(*dims[p], lora.rank) for p in self.layout.projections})
+            for _ in range(n_experts))
+        self.dropout = nn.Dropout(lora.dropout) if lora.dropout > 0 else nn.Identity()
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _proj(self, name: str) -> nn.Module:
+        return getattr(self.base, name)
+
+    def _act(self, h: torch.Tensor) -> torch.Tensor:
+        return getattr(self.base, self.layout.act)(h)
+
+    def _stacked(self, proj: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """All experts' factors of one projection: A (n*r, in), B (out, n*r)."""
+        if self.n_experts == 1:
+            w = self.experts[0][proj]
+            return w.lora_A, w.lora_B
+        return (torch.cat([e[proj].lora_A for e in self.experts], 0),
+                torch.cat([e[proj].lora_B for e in self.experts], 1))
+
+    def _finish(self, y: torch.Tensor) -> torch.Tensor:
+        drop = self.layout.out_dropout
+        return getattr(self.base, drop)(y) if drop else y
+
+    # -- forward -------------------------------------------------------------------------------
+    def _experts_forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        if self.fused:
+            return self._finish(self._fused(x, routing))
+        return self._finish(self._naive(x, routing))
+
+    def _fused(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        lay, s, r, n = self.layout, self.scaling, self.rank, self.n_experts
+        xd = self.dropout(x)
+        in_projs = ((lay.gate,) if lay.gate else ()) + (lay.up,)
+        frozen = [self._proj(p)(x) for p in in_projs]              # once per token
+        stacks = [self._stacked(p) for p in in_projs]
+        xa = [xd @ a.t() for a, _ in stacks]                        # (N, n*r), all experts at once
+        a_down, b_down = self._stacked(lay.down)
+        hidden_sum, z = 0.0, 0.0
+        for slot in range(routing.topk_index.shape[1]):
+            w = routing.topk_weight[:, slot:slot + 1]
+            if n == 1:
+                mask = None
+            else:  # one-hot over the n expert blocks of width r: keep this slot's expert only
+                mask = F.one_hot(routing.topk_index[:, slot], n).to(x.dtype).repeat_interleave(r, 1)
+            pre = [f + ((q if mask is None else q * mask) @ b.t()) * s
+                   for f, q, (_, b) in zip(frozen, xa, stacks)]
+            h = self._act(pre[0]) * pre[1] if lay.gate else self._act(pre[0])
+            hidden_sum = hidden_sum + w * h
+            hz = self.dropout(h) @ a_down.t()
+            z = z + (w if mask is None else w * mask) * hz
+        return self._proj(lay.down)(hidden_sum) + (z @ b_down.t()) * s
+
+    def _expert_mlp(self, x: torch.Tensor, j: int) -> torch.Tensor:
+        """MLP_j(x): the frozen MLP with expert j's LoRA on every projection (no output dropout)."""
+        lay, e = self.layout, self.experts[j]
+        xd = self.dropout(x)
+        lin = lambda p, v, vd: self._proj(p)(v) + e[p].delta(vd, self.scaling)  # noqa: E731
+        if lay.gate:
+            h = self._act(lin(lay.gate, x, xd)) * lin(lay.up, x, xd)
+        else:
+            h = self._act(lin(lay.up, x, xd))
+        return lin(lay.down, h, self.dropout(h))
+
+    def _naive(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        out_dim = linear_dims(self._proj(self.layout.down))[1]
+        out = x.new_zeros(x.shape[0], out_dim)
+        for j in range(self.n_experts):
+            tok, slot = (routing.topk_index == j).nonzero(as_tuple=True)
+            if tok.numel() == 0:
+                continue
+            w = routing.topk_weight[tok, slot].unsqueeze(-1)
+            out = out.index_add(0, tok, w * self._expert_mlp(x[tok], j))
+        return out
+
+
+def load_balance_loss(routing: Routing, n_experts: int, weighting: str = "uniform") -> torch.Tensor:
+    """Switch-style load balance from one block's routing (CoMiGS eq. 10-11).
+
+    f_j: fraction of tokens with j among their top-k (not differentiable); P_j: mean router
+    probability of j (differentiable). ``uniform``: n * sum_j f_j P_j (Fedus et al. 2022).
+    ``generalist``: eq. 10, which weights the generalist (expert 0) by 1/((n-1)^2+1) and each
+    specialist by (n-1)/((n-1)^2+1) so that the generalist is pushed towards probability 1/2. We
+    multiply eq. 10 by n^2 so that at n = 2 it *equals* the uniform loss, as the paper states
+    (eq. 10 as printed is the uniform loss / 4 there). ``none``: 0.
+    """
+    if routing.probs is None or weighting == "none":
+        return routing.topk_weight.new_zeros(())
+    n = n_experts
+    f = F.one_hot(routing.topk_index, n).sum(1).float().mean(0)  # (n,)
+    p = routing.probs.float().mean(0)
+    if weighting == "uniform":
+        return n * (f * p).sum()
+    if weighting == "generalist":
+        denom = (n - 1) ** 2 + 1
+        w = torch.full((n,), (n - 1) / denom, device=p.device)
+        w[0] = 1.0 / denom
+        return n * n * (w * f * p).sum()
+    raise ValueError(f"load_balance must be one of none, uniform, generalist; got {weighting!r}")
