@@ -56,7 +56,11 @@ class LoRAWeights(nn.Module):
         super().__init__()
         self.lora_A = nn.Parameter(torch.empty(rank, in_features))
         self.lora_B = nn.Parameter(torch.zeros(out_features, rank))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B)
 
     def delta(self, x: torch.Tensor, scaling: float) -> torch.Tensor:
         return (x @ self.lora_A.t()) @ self.lora_B.t() * scaling

@@ -1,0 +1,67 @@
+"""CoMiGS (Fan et al., ICML 2025): a mixture of generalist and specialist LoRA experts, Alg. 1.
+
+Per user, every MLP carries n_i LoRA experts and a token-level top-k router (comix.models).
+Experts 0..G-1 are *generalists*: with the attention LoRA they are averaged across users by the
+server each round (eq. 4); the other experts (*specialists*) and the router never leave the
+device. Variants: 1G1S (n=2, G=1), 2G (n=2, G=2), 2S (n=2, G=0: nothing shared, the attention LoRA
+included), 1GXS (G=1, n_i per user, e.g. [2, 2, 4, 4]; a user with n_i = 1 has the generalist only).
+
+Bi-level, alternating updates (Sec. 3.2-3.3, Alg. 1): expert steps minimise training loss +
+lambda * load balance (eq. 7) with the router fixed; every tau expert iterations, s router steps
+minimise *validation* loss + lambda * load balance (eq. 8) with the experts fixed, with their own
+constant-lr optimizer. ``router_data="train"`` is the ``-tr`` ablation (router steps on fresh
+training batches). Gradients never cross: each step differentiates only its own parameter set.
+"""
+from __future__ import annotations
+
+import re
+
+from ..data import sample_batch
+from ..models import AdapterConfig, LoRAConfig
+from .base import (Algorithm, ClientContext, ClientState, TrainConfig, lm_loss, make_optimizer,
+                   model_load_balance, router_params, step_on)
+
+_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
+
+
+class CoMiGS(Algorithm):
+    name = "comigs"
+
+    def __init__(self, lora: LoRAConfig, train: TrainConfig, n_clients: int,
+                 experts: int | list[int] = 2, generalists: int = 1, top_k: int = 2,
+                 router_data: str = "valid"):
+        super().__init__(lora, train, n_clients)
+        self.experts = list(experts) if isinstance(experts, (list, tuple)) else [experts] * n_clients
+        if len(self.experts) != n_clients:
+            raise ValueError(f"comigs.experts lists {len(self.experts)} expert counts for {n_clients} users")
+        if any(not 1 <= n <= 16 for n in self.experts):
+            raise ValueError(f"comigs.experts must be in 1..16 per user, got {self.experts}")
+        if router_data not in ("valid", "train"):
+            raise ValueError(f"comigs.router_data must be 'valid' or 'train', got {router_data!r}")
+        self.generalists, self.top_k, self.router_data = generalists, top_k, router_data
+
+    def adapter_config(self, client: int) -> AdapterConfig:
+        return AdapterConfig(lora=self.lora, mlp="mixture", n_experts=self.experts[client], top_k=self.top_k)
+
+    def is_shared(self, name: str) -> bool:
+        if self.generalists == 0:
+            return False
+        m = _EXPERT.search(name)
+        if m:
+            return int(m.group(1)) < self.generalists
+        if ".mlp.router." in name:
+            return False
+        return ".lora." in name  # attention LoRA is shared with the generalists
+
+    def after_expert_step(self, ctx: ClientContext, state: ClientState, gen) -> None:
+        if state.step % self.train.tau != 0 or not router_params(ctx.model):
+            return
+        params = [p for _, p in router_params(ctx.model)]
+        opt = make_optimizer(router_params(ctx.model), state, "router", lr=self.train.router_lr)
+        for _ in range(self.train.router_steps):
+            split = ctx.data.valid if self.router_data == "valid" else ctx.data.train
+            x, y = sample_batch(split, self.train.batch_size, self.train.seq_len, gen)
+            loss = lm_loss(ctx.model, x, y) + self.train.lb_weight * model_load_balance(
+                ctx.model, self.train.load_balance)
+            step_on(loss, params, opt, self.train.grad_clip)
+        state.optimizers["router"] = opt.state_dict()
