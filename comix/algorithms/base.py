@@ -45,6 +45,7 @@ class TrainConfig:
     load_balance: str = "uniform"   # none | uniform | generalist (eq. 10)
     eval_every: int = 1             # evaluate valid/test perplexity every k rounds (and the last)
     eval_batch_size: int = 8
+    eval_splits: list[str] = field(default_factory=lambda: ["valid", "test"])
 
 
 @dataclass

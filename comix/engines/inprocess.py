@@ -116,7 +116,8 @@ def run_method(algorithm: Algorithm, base: nn.Module, users: list[UserData], out
     models = ClientModels(base, algorithm)
 
     if not algorithm.trains:  # Pretrained: the frozen base on every user's splits
-        per_user = {u.name: evaluate(base, u, train.seq_len, train.eval_batch_size) for u in users}
+        per_user = {u.name: evaluate(base, u, train.seq_len, train.eval_batch_size, train.eval_splits)
+                    for u in users}
         return _finish(out_dir, algorithm, users, per_user, bytes_up=0, rounds=0)
 
     store = StateStore(out_dir / "clients" if offload else None)
@@ -159,7 +160,7 @@ def run_method(algorithm: Algorithm, base: nn.Module, users: list[UserData], out
                 row["bytes_up"] = row["bytes_down"] = 0
             if evaluate_now:
                 row.update(evaluate(_personal_model(algorithm, models, store[c], payloads[c], c), user,
-                                    train.seq_len, train.eval_batch_size))
+                                    train.seq_len, train.eval_batch_size, train.eval_splits))
             lines.append(row)
         total_up += sum(r["bytes_up"] for r in lines)
         with open(metrics_path, "a") as fh:

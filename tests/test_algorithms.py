@@ -1,0 +1,216 @@
+import json
+
+import pytest
+import torch
+
+from comix.algorithms import METHODS, ClientContext, ClientState, TrainConfig, make_algorithm, tensor_bytes
+from comix.algorithms import comigs as comigs_module
+from comix.algorithms.base import adapter_tensors, expert_params, load_adapters, router_params
+from comix.data import SplitConfig, make_user_data
+from comix.engines import run_method
+from comix.engines.inprocess import ClientModels, fresh_adapters
+from comix.models import LoRAConfig, load_base_model, param_role
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model, tok = load_base_model("tiny-llama")
+    corpus = {c: [f"{c} text {i} " * 30 + "x" * (i % 7) for i in range(20)] for c in ("a", "b", "c")}
+    users = make_user_data(corpus, tok, SplitConfig(valid_tokens=600, test_tokens=300))
+    return model, users
+
+
+def _train(**kw):
+    base = dict(rounds=2, local_steps=3, batch_size=2, seq_len=16, tau=2, router_steps=2, eval_every=1,
+                eval_batch_size=4)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _algo(name, n=3, experts=None, **train):
+    return make_algorithm(name, LoRAConfig(r=4), _train(**train), n, experts=experts)
+
+
+def _client(algo, model, users, c, seed=0):
+    models = ClientModels(model, algo)
+    m = models.for_client(c)
+    state = ClientState(adapters=fresh_adapters(m, seed + c), rng=torch.Generator().manual_seed(c).get_state())
+    return ClientContext(c, m, users[c], algo.train), state
+
+
+EXPECTED_SHARED = {
+    "local": set(), "comigs-2s": set(),
+    "comigs-1g1s": {"generalist", "attention_lora"}, "comigs-1g1s-tr": {"generalist", "attention_lora"},
+    "comigs-1gxs": {"generalist", "attention_lora"},
+    # 2G: both experts are averaged (expert 1 carries the "specialist" slot name but is shared)
+    "comigs-2g": {"generalist", "specialist", "attention_lora"},
+    "fedavg": {"mlp_lora", "attention_lora"},
+}
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS if m not in ("pretrained", "centralized")])
+def test_upload_contains_exactly_the_declared_shared_tensors(setup, method):
+    model, users = setup
+    algo = _algo(method, experts=[2, 1, 3])
+    for c in range(3):
+        ctx, state = _client(algo, model, users, c)
+        state, upload, _ = algo.client_round(ctx, state, {})
+        declared = {n for n in state.adapters if algo.is_shared(n)}
+        assert set(upload) == declared
+        assert all(isinstance(t, torch.Tensor) for t in upload.values())
+        roles = {param_role(n) for n in upload}
+        assert roles == EXPECTED_SHARED[method]
+        assert "router" not in roles and "base" not in roles
+        if method == "comigs-2g":
+            assert {n.split(".mlp.experts.")[1][0] for n in upload if ".experts." in n} == {"0", "1"}
+
+
+def test_router_step_touches_only_the_router_and_reads_validation(setup, monkeypatch):
+    model, users = setup
+    algo = _algo("comigs-1g1s", tau=1)
+    ctx, state = _client(algo, model, users, 0)
+    load_adapters(ctx.model, state.adapters)
+    seen = []
+    real = comigs_module.sample_batch
+    monkeypatch.setattr(comigs_module, "sample_batch", lambda split, *a: seen.append(split) or real(split, *a))
+    before = {n: p.detach().clone() for n, p in expert_params(ctx.model)}
+    routers = {n: p.detach().clone() for n, p in router_params(ctx.model)}
+    state.step = 1
+    algo.after_expert_step(ctx, state, torch.Generator().manual_seed(0))
+    assert len(seen) == algo.train.router_steps and all(s is users[0].valid for s in seen)
+    assert all(torch.equal(p, before[n]) for n, p in expert_params(ctx.model))       # experts unchanged
+    assert any(not torch.equal(p, routers[n]) for n, p in router_params(ctx.model))  # router moved
+    assert all(p.grad is None for p in ctx.model.parameters())  # nothing left to leak or accumulate
+    assert "router" in state.optimizers and "experts" not in state.optimizers
+
+
+def test_tr_variant_routes_on_training_batches(setup, monkeypatch):
+    model, users = setup
+    algo = _algo("comigs-1g1s-tr", tau=1)
+    ctx, state = _client(algo, model, users, 1)
+    load_adapters(ctx.model, state.adapters)
+    seen = []
+    real = comigs_module.sample_batch
+    monkeypatch.setattr(comigs_module, "sample_batch", lambda split, *a: seen.append(split) or real(split, *a))
+    state.step = 1
+    algo.after_expert_step(ctx, state, torch.Generator())
+    assert seen and all(s is users[1].train for s in seen)
+
+
+def test_expert_steps_leave_the_router_alone(setup):
+    model, users = setup
+    algo = _algo("comigs-1g1s", tau=1000)  # no router update in this round
+    ctx, state = _client(algo, model, users, 0)
+    routers = {n: t.clone() for n, t in state.adapters.items() if param_role(n) == "router"}
+    state, _, _ = algo.client_round(ctx, state, {})
+    assert all(torch.equal(state.adapters[n], t) for n, t in routers.items())
+    gen = [n for n in state.adapters if param_role(n) == "specialist"]
+    assert gen and all(p.grad is None for p in ctx.model.parameters())
+
+
+def test_optimizer_state_is_per_client(setup):
+    model, users = setup
+    algo = _algo("fedavg")
+    ctx0, s0 = _client(algo, model, users, 0)
+    s0, _, _ = algo.client_round(ctx0, s0, {})
+    snap = {k: v.clone() for k, v in s0.optimizers["experts"]["state"][0].items()}
+    ctx1, s1 = _client(algo, model, users, 1)
+    s1, _, _ = algo.client_round(ctx1, s1, {})
+    assert all(torch.equal(s0.optimizers["experts"]["state"][0][k], v) for k, v in snap.items())
+    assert not torch.equal(s0.optimizers["experts"]["state"][0]["exp_avg"],
+                           s1.optimizers["experts"]["state"][0]["exp_avg"])
+    assert s1.optimizers["experts"]["state"][0]["step"].item() == algo.train.local_steps  # fresh moments
+
+
+def test_server_averages_generalists_and_never_sees_specialists(setup):
+    model, users = setup
+    algo = _algo("comigs-1gxs", experts=[2, 1, 4])
+    uploads, states = {}, {}
+    for c in range(3):
+        ctx, st = _client(algo, model, users, c)
+        states[c], uploads[c], _ = algo.client_round(ctx, st, {})
+    _, payloads = algo.server_round(None, uploads)
+    name = next(n for n in uploads[0] if param_role(n) == "generalist")
+    expect = torch.stack([uploads[c][name] for c in range(3)]).mean(0)
+    for c in range(3):
+        assert torch.allclose(payloads[c][name], expect)
+        assert all(param_role(n) in ("generalist", "attention_lora") for n in payloads[c])
+    assert not any(param_role(n) == "router" for n in states[1].adapters)  # n = 1: no router
+    assert sum(param_role(n) == "specialist" for n in states[2].adapters) > 0
+    spec = next(n for n in states[0].adapters if param_role(n) == "specialist")
+    algo.apply_payload(states[0], payloads[0])
+    assert torch.equal(states[0].adapters[name], expect)
+    with pytest.raises(ValueError, match="not a shared parameter"):
+        algo.apply_payload(states[0], {spec: states[0].adapters[spec]})
+
+
+def _tiny_run(tmp_path, method, users, model, rounds=3, **kw):
+    algo = _algo(method, rounds=rounds, **kw)
+    return run_method(algo, model, users, tmp_path / method, seed=7, resume=True)
+
+
+def test_resume_equals_uninterrupted(setup, tmp_path):
+    model, users = setup
+    full = _tiny_run(tmp_path / "full", "comigs-1g1s", users, model)
+
+    class Killed(Exception):
+        pass
+
+    def kill_after_two(p):
+        if p["round"] == 2:
+            raise Killed
+
+    algo = _algo("comigs-1g1s", rounds=3)
+    with pytest.raises(Killed):
+        run_method(algo, model, users, tmp_path / "killed", seed=7, progress=kill_after_two)
+    with open(tmp_path / "killed" / "metrics.jsonl", "a") as fh:  # a partial line from round 3
+        fh.write(json.dumps({"round": 3, "user": "a"}) + "\n")
+    resumed = run_method(_algo("comigs-1g1s", rounds=3), model, users, tmp_path / "killed", seed=7, resume=True)
+    assert resumed["per_user"] == full["per_user"]
+    lines = lambda d: (d / "metrics.jsonl").read_text()  # noqa: E731
+    assert lines(tmp_path / "killed") == lines(tmp_path / "full" / "comigs-1g1s")
+
+
+def test_comigs_uploads_half_of_fedavg(setup, tmp_path):
+    model, users = setup
+    bytes_of = {}
+    for m in ("comigs-1g1s", "fedavg"):
+        _tiny_run(tmp_path, m, users, model, rounds=1)
+        rows = [json.loads(x) for x in (tmp_path / m / "metrics.jsonl").read_text().splitlines()]
+        bytes_of[m] = rows[0]["bytes_up"]
+        assert all(r["bytes_up"] > 0 and r["bytes_down"] == r["bytes_up"] for r in rows)
+    assert bytes_of["comigs-1g1s"] / bytes_of["fedavg"] == pytest.approx(0.5, rel=0.05)
+
+
+def test_training_helps_and_pretrained_is_the_base(setup, tmp_path):
+    model, users = setup
+    pre = _tiny_run(tmp_path, "pretrained", users, model)
+    from comix.eval import perplexity
+    assert pre["per_user"]["a"]["test_ppl"] == pytest.approx(perplexity(model, users[0].test, 16, 4))
+    for m in ("local", "centralized", "comigs-1g1s"):
+        res = _tiny_run(tmp_path, m, users, model, rounds=3)
+        assert res["mean_test_ppl"] < pre["mean_test_ppl"], m
+    rows = [json.loads(x) for x in (tmp_path / "comigs-1g1s" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows[-1]["gates"]) == 2 and len(rows[-1]["gates"][0]) == 2
+
+
+def test_same_seed_same_numbers(setup, tmp_path):
+    model, users = setup
+    a = _tiny_run(tmp_path / "a", "fedavg", users, model, rounds=1)
+    b = _tiny_run(tmp_path / "b", "fedavg", users, model, rounds=1)
+    assert a["per_user"] == b["per_user"]
+
+
+def test_tensor_bytes():
+    assert tensor_bytes({"a": torch.zeros(3, 4), "b": torch.zeros(2, dtype=torch.float16)}) == 52
+
+
+def test_frozen_base_shared_between_architectures(setup):
+    model, _ = setup
+    algo = _algo("comigs-1gxs", experts=[1, 4, 4])
+    models = ClientModels(model, algo)
+    m1, m4 = models.for_client(0), models.for_client(1)
+    assert models.for_client(2) is m4 and m1 is not m4
+    assert m1.lm_head.weight.data_ptr() == model.lm_head.weight.data_ptr() == m4.lm_head.weight.data_ptr()
+    assert {n for n in adapter_tensors(m1) if ".experts.0." in n} == {
+        n for n in adapter_tensors(m4) if ".experts.0." in n}  # the generalist has one shape for all
