@@ -1,0 +1,76 @@
+import json
+import random
+
+import pytest
+
+from comix.cli import main
+from comix.config import ConfigError, load_config
+
+
+def _user_dirs(root):
+    rng = random.Random(0)
+    words = {"alice": "the cat sat on a mat".split(), "bob": "der hund lief im park".split(),
+             "carol": "def return import class".split()}
+    for user, vocab in words.items():
+        (root / user).mkdir(parents=True)
+        for i in range(20):
+            (root / user / f"{i}.txt").write_text(" ".join(rng.choice(vocab) for _ in range(60)))
+    return root
+
+
+TINY = ["model=tiny-llama", "train.rounds=2", "train.local_steps=2", "train.batch_size=2", "train.seq_len=32",
+        "train.tau=2", "train.router_steps=1", "train.eval_every=1", "data.test_tokens=256",
+        "data.valid_tokens=512", "train.eval_splits=[valid,test]"]
+
+
+def test_cli_runs_comigs_end_to_end_on_user_folders(tmp_path, capsys):
+    data = _user_dirs(tmp_path / "data")
+    run = tmp_path / "run"
+    args = ["run", f"corpus={data}", f"run_dir={run}", "methods=[pretrained,local,comigs-1g1s]", *TINY]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "| comigs-1g1s |" in out and "| pretrained |" in out and "alice" in out
+    results = json.loads((run / "results.json").read_text())
+    assert [r["method"] for r in results] == ["pretrained", "local", "comigs-1g1s"]
+    rows = [json.loads(x) for x in (run / "comigs-1g1s" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 * 3 and {"train_loss", "valid_ppl", "test_ppl", "gates", "bytes_up", "bytes_down"} <= set(rows[0])
+    assert (run / "results.md").read_text().count("|") > 10
+    # resuming a finished run recomputes nothing and prints the same table
+    assert main(["run", "--resume", str(run)]) == 0
+    assert "| comigs-1g1s |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("train.foo=1", "unknown config key 'train.foo'"),
+    ("train.rounds=abc", "config key 'train.rounds' expects int"),
+    ("methods=[nope]", "unknown method 'nope'"),
+    ("train.load_balance=max", "train.load_balance must be"),
+    ("data.mode=sideways", "data.mode must be"),
+])
+def test_bad_config_values_one_line_errors(override, needle, capsys):
+    assert main(["run", override]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1
+
+
+def test_bad_inputs_name_the_culprit(tmp_path, capsys):
+    assert main(["run", "model=no-such-model-xyz", "corpus=topics"]) == 2
+    assert "unknown model spec 'no-such-model-xyz'" in capsys.readouterr().err
+    (tmp_path / "empty" / "dave").mkdir(parents=True)
+    assert main(["run", "model=tiny-llama", f"corpus={tmp_path / 'empty'}"]) == 2
+    assert "dave holds no text" in capsys.readouterr().err
+    assert main(["run", str(tmp_path / "missing.yaml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    data = _user_dirs(tmp_path / "data")
+    assert main(["run", "model=tiny-llama", f"corpus={data}", "train.seq_len=100000"]) == 2
+    assert "seq_len 100000 is longer than" in capsys.readouterr().err
+
+
+def test_configs_in_repo_all_load():
+    from pathlib import Path
+    files = sorted(Path(__file__).parents[1].joinpath("configs").rglob("*.yaml"))
+    assert files
+    for f in files:
+        assert load_config(str(f)).methods, f
+    with pytest.raises(ConfigError):
+        load_config(None, ["nokey"])
