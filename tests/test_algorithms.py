@@ -214,3 +214,11 @@ def test_frozen_base_shared_between_architectures(setup):
     assert m1.lm_head.weight.data_ptr() == model.lm_head.weight.data_ptr() == m4.lm_head.weight.data_ptr()
     assert {n for n in adapter_tensors(m1) if ".experts.0." in n} == {
         n for n in adapter_tensors(m4) if ".experts.0." in n}  # the generalist has one shape for all
+
+
+def test_offloaded_client_states_give_the_same_numbers(setup, tmp_path):
+    model, users = setup
+    mem = run_method(_algo("comigs-1g1s", rounds=2), model, users, tmp_path / "mem", seed=3)
+    disk = run_method(_algo("comigs-1g1s", rounds=2), model, users, tmp_path / "disk", seed=3, offload=True)
+    assert disk["per_user"] == mem["per_user"]
+    assert sorted(p.name for p in (tmp_path / "disk" / "clients").iterdir()) == ["client0.pt", "client1.pt", "client2.pt"]
