@@ -2,6 +2,7 @@
 
   comix run [CONFIG] [key=value ...]     run every method of the config (default: the main job)
   comix run --resume RUN_DIR             continue a killed run where it stopped
+  comix compare [CONFIG] --methods M.. --seeds S..   a resumable grid with tables and curves
   comix ppl [--model M] [--corpus C ...] pretrained perplexity on the built-in test splits
   comix data [CORPUS] [key=value ...]    token counts per user and split (CoMiGS Table 4)
 """
@@ -44,59 +45,109 @@ def results_table(results: list[dict], users: list[str]) -> str:
     return "\n".join(rows)
 
 
-def cmd_run(args) -> int:
+def run_spec(cfg, spec: str, seed: int, out: Path, model, users, console) -> dict:
+    """Run one method spec with one seed into ``out`` (skipped when finished, resumed when not)."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from .algorithms import make_algorithm
-    from .config import load_config, to_dict
+    from .algorithms import REGISTRY, make_algorithm
+    from .compare import spec_config, split_spec
     from .engines import run_method
+
+    if (out / "results.json").exists():  # finished earlier: keep it
+        res = json.loads((out / "results.json").read_text())
+        console.print(f"{spec} (seed {seed}): done earlier, mean test ppl {res['mean_test_ppl']:.2f}")
+        return res
+    mcfg = spec_config(cfg, spec)
+    name = split_spec(spec)[0]
+    n_clients = 1 if REGISTRY[name][0].pooled else len(users)
+    algo = make_algorithm(name, mcfg.lora, mcfg.train, n_clients, **mcfg.options(name))
+    algo.name = spec
+    label = spec if len(cfg.seeds) <= 1 else f"{spec} seed {seed}"
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"),
+                  TimeElapsedColumn(), TimeRemainingColumn(), console=console) as bar:
+        task = bar.add_task(label, total=mcfg.train.rounds if algo.trains else 1, info="")
+
+        def progress(p):
+            ppl = [f"{x:.1f}" for x in p["test_ppl"] if x is not None]
+            info = f"round {p['round']}/{p['rounds']} loss {p['train_loss']:.3f}" + (
+                f" test ppl {' '.join(ppl)}" if ppl else "")
+            bar.update(task, completed=p["round"], info=info)
+            bar.console.log(f"{label} {info} ({p['seconds']:.0f}s)")
+
+        res = run_method(algo, model, users, out, seed=seed, resume=True, offload=mcfg.offload, progress=progress)
+        bar.update(task, completed=bar.tasks[0].total)
+    return res
+
+
+def _prepare(args, default_name: str):
+    """Load (or, with --resume, reload) the config; create the run directory with config.yaml."""
+    from .config import load_config, to_dict
     from .engines.inprocess import atomic_write
 
-    console = _console()
     if args.resume:
         run_dir = Path(args.resume)
         if not (run_dir / "config.yaml").exists():
             raise ValueError(f"--resume: {run_dir} holds no config.yaml (not a comix run directory)")
-        cfg = load_config(str(run_dir / "config.yaml"), args.overrides)
-    else:
-        cfg = load_config(args.config, args.overrides)
-        run_dir = Path(cfg.run_dir or f"runs/{cfg.corpus.strip('/').split('/')[-1]}-{time.strftime('%Y%m%d-%H%M%S')}")
-        cfg.run_dir = str(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        text = yaml.safe_dump(to_dict(cfg), sort_keys=False)
-        atomic_write(run_dir / "config.yaml", lambda p: Path(p).write_text(text))
+        return load_config(str(run_dir / "config.yaml"), args.overrides), run_dir
+    cfg = load_config(args.config, args.overrides)
+    if getattr(args, "methods", None):
+        cfg.methods = list(args.methods)
+    if getattr(args, "seeds", None):
+        cfg.seeds = list(args.seeds)
+    cfg.validate()
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(cfg.run_dir or f"runs/{default_name}{cfg.corpus.strip('/').split('/')[-1]}-{stamp}")
+    cfg.run_dir = str(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    text = yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    atomic_write(run_dir / "config.yaml", lambda p: Path(p).write_text(text))
+    return cfg, run_dir
+
+
+def cmd_run(args) -> int:
+    from .compare import spec_dirname
+    from .engines.inprocess import atomic_write
+
+    console = _console()
+    cfg, run_dir = _prepare(args, "")
     model, _, users, table = _setup(cfg)
     console.print(f"[bold]comix run[/] {run_dir}  model={cfg.model} corpus={cfg.corpus}\n{table}")
-    results = []
-    for method in cfg.methods:
-        out = run_dir / method
-        if (out / "results.json").exists():  # finished earlier: keep it
-            results.append(json.loads((out / "results.json").read_text()))
-            console.print(f"{method}: done earlier, mean test ppl {results[-1]['mean_test_ppl']:.2f}")
-            continue
-        n_clients = 1 if method == "centralized" else len(users)
-        algo = make_algorithm(method, cfg.lora, cfg.train, n_clients, cfg.comigs.experts, cfg.comigs.top_k)
-        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"),
-                      TimeElapsedColumn(), TimeRemainingColumn(), console=console) as bar:
-            task = bar.add_task(method, total=cfg.train.rounds if algo.trains else 1, info="")
-
-            def progress(p):
-                ppl = [f"{x:.1f}" for x in p["test_ppl"] if x is not None]
-                info = f"round {p['round']}/{p['rounds']} loss {p['train_loss']:.3f}" + (
-                    f" test ppl {' '.join(ppl)}" if ppl else "")
-                bar.update(task, completed=p["round"], info=info)
-                bar.console.log(f"{method} {info} ({p['seconds']:.0f}s)")
-
-            res = run_method(algo, model, users, out, seed=cfg.seed, resume=True, offload=cfg.offload,
-                             progress=progress)
-            bar.update(task, completed=bar.tasks[0].total)
-        results.append(res)
-    names = [u.name for u in users]
-    md = results_table(results, names)
+    results = [run_spec(cfg, spec, cfg.seed, run_dir / spec_dirname(spec), model, users, console)
+               for spec in cfg.methods]
+    md = results_table(results, [u.name for u in users])
     atomic_write(run_dir / "results.md", lambda p: Path(p).write_text(
         f"Test perplexity per user ({cfg.model}, {cfg.corpus}, seed {cfg.seed})\n\n{md}\n"))
     atomic_write(run_dir / "results.json", lambda p: Path(p).write_text(json.dumps(results, indent=2)))
     print(md)
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from .compare import collect, curves, plot_curves, references, spec_dirname, summary_tables
+    from .engines.inprocess import atomic_write
+
+    console = _console()
+    cfg, run_dir = _prepare(args, "compare-")
+    seeds = cfg.seeds or [cfg.seed]
+    model, _, users, table = _setup(cfg)
+    console.print(f"[bold]comix compare[/] {run_dir}  methods={' '.join(cfg.methods)} seeds={seeds}\n{table}")
+    for seed in seeds:
+        for spec in cfg.methods:
+            run_spec(cfg, spec, seed, run_dir / f"seed{seed}" / spec_dirname(spec), model, users, console)
+    names = [u.name for u in users]
+    results = collect(run_dir, cfg.methods, seeds)
+    md = summary_tables(results, names)
+    header = (f"Test perplexity ({cfg.model}, {cfg.corpus}, mode {cfg.data.mode}, seeds {seeds}): "
+              "mean over users, then mean (std) over seeds\n\n")
+    atomic_write(run_dir / "compare.md", lambda p: Path(p).write_text(header + md + "\n"))
+    atomic_write(run_dir / "compare.json", lambda p: Path(p).write_text(json.dumps(
+        {spec: {str(s): r for s, r in by.items()} for spec, by in results.items()}, indent=2)))
+    data = curves(run_dir, cfg.methods, seeds)
+    refs = references(results)
+    plot_curves(data, run_dir / "curves.png", per_user=False, refs=refs)
+    plot_curves(data, run_dir / "curves_per_user.png", per_user=True, refs=refs)
+    print(md)
+    console.print(f"wrote {run_dir}/compare.md, compare.json, curves.png, curves_per_user.png")
     return 0
 
 
@@ -138,14 +189,20 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--test-tokens", type=int, default=0, help="cap per user (0 = the whole test split)")
+    c = sub.add_parser("compare", help="methods x seeds grid: Table 1/5-style tables and learning curves")
+    c.add_argument("config", nargs="?", help="YAML recipe (see configs/)")
+    c.add_argument("overrides", nargs="*", help="key=value overrides for every run")
+    c.add_argument("--methods", nargs="+", metavar="SPEC", help="method specs, e.g. local comigs-1g1s hetlora:reg=0.05")
+    c.add_argument("--seeds", nargs="+", type=int, help="e.g. 42 45 47")
+    c.add_argument("--resume", metavar="RUN_DIR", help="finish an interrupted grid (finished runs are skipped)")
     d = sub.add_parser("data", help="token counts per user and split")
     d.add_argument("corpus", nargs="?", default="multilingual")
     d.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
-    if args.cmd == "run" and args.config and "=" in args.config:  # `comix run key=value` (no file)
+    if args.cmd in ("run", "compare") and args.config and "=" in args.config:  # `comix run key=value` (no file)
         args.overrides, args.config = [args.config, *args.overrides], None
     try:
-        return {"run": cmd_run, "ppl": cmd_ppl, "data": cmd_data}[args.cmd](args)
+        return {"run": cmd_run, "compare": cmd_compare, "ppl": cmd_ppl, "data": cmd_data}[args.cmd](args)
     except (ValueError, FileNotFoundError) as err:
         print(f"comix: error: {err}", file=sys.stderr)
         return 2

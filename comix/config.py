@@ -8,12 +8,13 @@ split, Pretrained / Local / FedAvg / CoMiGS-1G1S at a scale that runs in ~10 min
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
-from .algorithms import METHODS, TrainConfig
+from .algorithms import METHODS, REGISTRY, TrainConfig, section_of
 from .data import SplitConfig
 from .models import LoRAConfig
 
@@ -26,6 +27,18 @@ class ConfigError(ValueError):
 class ComigsConfig:
     experts: int | list[int] = 2      # per-user list for comigs-1gxs, e.g. [2, 2, 4, 4]
     top_k: int = 2
+
+
+def _options_section(cls) -> type:
+    """A config section made from a method's constructor options (one source of defaults)."""
+    skip = {"self", "lora", "train", "n_clients"}
+    params = [p for p in inspect.signature(cls.__init__).parameters.values() if p.name not in skip]
+    return dataclasses.make_dataclass(f"{cls.__name__}Options", [(p.name, object, field(default=p.default))
+                                                                 for p in params])
+
+
+SECTIONS = {cls.section: _options_section(cls) for cls, _ in REGISTRY.values()
+            if cls.section and cls.section != "comigs"}
 
 
 def _main_job_train() -> TrainConfig:
@@ -46,6 +59,7 @@ class RunConfig:
     corpus: str = "multilingual"
     methods: list[str] = field(default_factory=lambda: ["pretrained", "local", "fedavg", "comigs-1g1s"])
     seed: int = 42
+    seeds: list[int] = field(default_factory=list)  # `comix compare`: the seeds of the grid (default [seed])
     run_dir: str = ""                  # default: runs/<corpus>-<timestamp>
     threads: int = 0                   # torch threads; 0 = torch's default
     offload: bool = False              # keep idle clients' states on disk
@@ -53,10 +67,19 @@ class RunConfig:
     train: TrainConfig = field(default_factory=_main_job_train)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     comigs: ComigsConfig = field(default_factory=ComigsConfig)
+    pcl: object = field(default_factory=SECTIONS["pcl"])
+    fdlora: object = field(default_factory=SECTIONS["fdlora"])
+    hetlora: object = field(default_factory=SECTIONS["hetlora"])
+    flexlora: object = field(default_factory=SECTIONS["flexlora"])
+
+    def options(self, method: str) -> dict:
+        """The config section of ``method`` as keyword options (empty when it has none)."""
+        section = section_of(method)
+        return dataclasses.asdict(getattr(self, section)) if section else {}
 
     def validate(self) -> "RunConfig":
         for m in self.methods:
-            if m not in METHODS:
+            if m.split(":")[0] not in METHODS:
                 raise ConfigError(f"methods: unknown method {m!r} (allowed: {', '.join(METHODS)})")
         t = self.train
         for key in ("rounds", "local_steps", "batch_size", "seq_len", "tau", "eval_every", "eval_batch_size"):

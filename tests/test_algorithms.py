@@ -27,8 +27,11 @@ def _train(**kw):
     return TrainConfig(**base)
 
 
-def _algo(name, n=3, experts=None, **train):
-    return make_algorithm(name, LoRAConfig(r=4), _train(**train), n, experts=experts)
+def _algo(name, n=3, experts=None, options=None, **train):
+    opts = dict(options or {})
+    if experts is not None and name.startswith("comigs"):
+        opts["experts"] = experts
+    return make_algorithm(name, LoRAConfig(r=4), _train(**train), n, **opts)
 
 
 def _client(algo, model, users, c, seed=0):
@@ -38,20 +41,27 @@ def _client(algo, model, users, c, seed=0):
     return ClientContext(c, m, users[c], algo.train), state
 
 
+LORA = {"mlp_lora", "attention_lora"}
+MIXTURE_1G = {"generalist", "attention_lora"}
 EXPECTED_SHARED = {
-    "local": set(), "comigs-2s": set(),
-    "comigs-1g1s": {"generalist", "attention_lora"}, "comigs-1g1s-tr": {"generalist", "attention_lora"},
-    "comigs-1gxs": {"generalist", "attention_lora"},
+    "local": set(), "comigs-2s": set(), "local-moe": set(), "local-moe-tr": set(),
+    "comigs-1g1s": MIXTURE_1G, "comigs-1g1s-tr": MIXTURE_1G, "comigs-tr": MIXTURE_1G, "comigs-1gxs": MIXTURE_1G,
+    "pfedmoe": MIXTURE_1G,
     # 2G: both experts are averaged (expert 1 carries the "specialist" slot name but is shared)
     "comigs-2g": {"generalist", "specialist", "attention_lora"},
-    "fedavg": {"mlp_lora", "attention_lora"},
+    # FedAvg applied to a MoE: everything, the routers included
+    "fedavg-moe": {"generalist", "specialist", "attention_lora", "router"},
+    "fedavg-moe-tr": {"generalist", "specialist", "attention_lora", "router"},
+    "fedavg": LORA, "pcl": LORA, "hetlora": LORA, "flexlora": LORA, "ffa-lora": LORA, "fedsa-lora": LORA,
+    "fdlora": LORA,  # the global LoRA only: never the personal one or the fusion weights
 }
+NAME_RULE = {"ffa-lora": lambda n: n.endswith("lora_B"), "fedsa-lora": lambda n: n.endswith("lora_A")}
 
 
 @pytest.mark.parametrize("method", [m for m in METHODS if m not in ("pretrained", "centralized")])
 def test_upload_contains_exactly_the_declared_shared_tensors(setup, method):
     model, users = setup
-    algo = _algo(method, experts=[2, 1, 3])
+    algo = _algo(method, experts=[2, 1, 3] if method == "comigs-1gxs" else None)
     for c in range(3):
         ctx, state = _client(algo, model, users, c)
         state, upload, _ = algo.client_round(ctx, state, {})
@@ -60,7 +70,9 @@ def test_upload_contains_exactly_the_declared_shared_tensors(setup, method):
         assert all(isinstance(t, torch.Tensor) for t in upload.values())
         roles = {param_role(n) for n in upload}
         assert roles == EXPECTED_SHARED[method]
-        assert "router" not in roles and "base" not in roles
+        assert "base" not in roles and not roles & {"personal_lora", "fusion"}
+        assert "router" not in roles or method.startswith("fedavg-moe")
+        assert all(NAME_RULE.get(method, lambda n: True)(n) for n in upload)
         if method == "comigs-2g":
             assert {n.split(".mlp.experts.")[1][0] for n in upload if ".experts." in n} == {"0", "1"}
 

@@ -74,3 +74,35 @@ def test_configs_in_repo_all_load():
         assert load_config(str(f)).methods, f
     with pytest.raises(ConfigError):
         load_config(None, ["nokey"])
+
+
+def test_compare_grid_tables_curves_and_skip(tmp_path, capsys):
+    data = _user_dirs(tmp_path / "data")
+    run = tmp_path / "grid"
+    args = ["compare", f"corpus={data}", f"run_dir={run}", *TINY, "--methods", "pretrained", "local",
+            "hetlora:ranks=[4,8,8],reg=0.05", "--seeds", "1", "2"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    table = (run / "compare.md").read_text()
+    assert "| hetlora:ranks=[4,8,8],reg=0.05 |" in table and "| local |" in table and "alice" in table
+    res = json.loads((run / "compare.json").read_text())
+    means = [res["local"][s]["mean_test_ppl"] for s in ("1", "2")]
+    assert means[0] != means[1]  # seeds differ ...
+    import statistics
+    assert f"{statistics.fmean(means):.2f} ({statistics.pstdev(means):.2f})" in table  # ... mean (std) over them
+    hetlora_dir = run / "seed2" / "hetlora__ranks=_4_8_8_reg=0.05"
+    cfg = json.loads((hetlora_dir / "results.json").read_text())
+    assert cfg["method"] == "hetlora:ranks=[4,8,8],reg=0.05"
+    for png in ("curves.png", "curves_per_user.png"):
+        assert (run / png).read_bytes()[:4] == b"\x89PNG"
+    assert "| local |" in out
+    # a second invocation skips every finished run
+    assert main(["compare", "--resume", str(run)]) == 0
+    assert capsys.readouterr().err.count("done earlier") == 6
+
+
+def test_method_spec_errors_name_the_option(tmp_path, capsys):
+    for spec, msg in (("local:reg=1", "local has no options"), ("hetlora:nope=1", "hetlora.nope"),
+                      ("hetlora:data.mode=ood", "would change the data"), ("nosuch", "unknown method")):
+        assert main(["compare", "model=tiny-llama", f"run_dir={tmp_path / 'x'}", "--methods", spec]) == 2
+        assert msg in capsys.readouterr().err

@@ -1,41 +1,66 @@
-"""One module per method; ``make_algorithm(name, ...)`` builds one from its name."""
+"""One module per method; ``make_algorithm(name, lora, train, n_clients, **options)`` builds one.
+
+``options`` are the method's config section (``comigs``, ``pcl``, ``fdlora``, ``hetlora``,
+``flexlora``); a variant's fixed settings (e.g. CoMiGS-2S: two experts, no generalist) win over
+them, except that ``comigs-1gxs`` takes its per-user expert counts from ``comigs.experts``.
+"""
 from __future__ import annotations
+
+import inspect
 
 from ..models import LoRAConfig
 from .base import Algorithm, ClientContext, ClientState, TrainConfig, average, one_cycle_lr, tensor_bytes
 from .centralized import Centralized
 from .comigs import CoMiGS
+from .fdlora import FDLoRA
 from .fedavg import FedAvg
+from .fedsa_lora import FedSALoRA
+from .ffa_lora import FFALoRA
+from .flexlora import FlexLoRA
+from .hetlora import HetLoRA
 from .local import Local
+from .moe_baselines import FedAvgMoE, FedAvgMoETr, LocalMoE, LocalMoETr
+from .pcl import PCL
+from .pfedmoe import PFedMoE
 from .pretrained import Pretrained
 
 COMIGS_VARIANTS = {
     "comigs-1g1s": dict(experts=2, generalists=1),
     "comigs-2g": dict(experts=2, generalists=2),
     "comigs-2s": dict(experts=2, generalists=0),
-    "comigs-1gxs": dict(generalists=1),             # experts: per-user list from the config
-    "comigs-1g1s-tr": dict(experts=2, generalists=1, router_data="train"),
+    "comigs-1gxs": dict(generalists=1),              # experts: per-user list from comigs.experts
+    "comigs-1g1s-tr": dict(experts=2, generalists=1, router_update="train"),
+    "comigs-tr": dict(experts=2, generalists=1, router_update="train"),  # Table 5's name
 }
-SIMPLE = {"pretrained": Pretrained, "local": Local, "fedavg": FedAvg, "centralized": Centralized}
-METHODS = (*SIMPLE, *COMIGS_VARIANTS)
+CLASSES = (Pretrained, Local, FedAvg, Centralized, FFALoRA, FedSALoRA, PCL, FDLoRA, HetLoRA, FlexLoRA,
+           PFedMoE, LocalMoE, FedAvgMoE, LocalMoETr, FedAvgMoETr)
+REGISTRY: dict[str, tuple[type[Algorithm], dict]] = {
+    **{cls.name: (cls, getattr(cls, "variant", {})) for cls in CLASSES},
+    **{name: (CoMiGS, kw) for name, kw in COMIGS_VARIANTS.items()},
+}
+METHODS = tuple(REGISTRY)
 
 
-def make_algorithm(name: str, lora: LoRAConfig, train: TrainConfig, n_clients: int,
-                   experts=None, top_k: int = 2) -> Algorithm:
-    if name in SIMPLE:
-        return SIMPLE[name](lora, train, n_clients)
-    if name in COMIGS_VARIANTS:
-        kw = dict(COMIGS_VARIANTS[name])
-        if name == "comigs-1gxs":
-            if experts is None:
-                raise ValueError("comigs-1gxs needs comigs.experts, a list of expert counts per user")
-            kw["experts"] = experts
-        algo = CoMiGS(lora, train, n_clients, top_k=top_k, **kw)
-        algo.name = name
-        return algo
-    raise ValueError(f"unknown method {name!r}: choose from {', '.join(METHODS)}")
+def section_of(name: str) -> str | None:
+    """The config section holding ``name``'s options (None: it has none)."""
+    if name not in REGISTRY:
+        raise ValueError(f"unknown method {name!r}: choose from {', '.join(METHODS)}")
+    return REGISTRY[name][0].section
+
+
+def make_algorithm(name: str, lora: LoRAConfig, train: TrainConfig, n_clients: int, **options) -> Algorithm:
+    section_of(name)
+    cls, fixed = REGISTRY[name]
+    accepted = inspect.signature(cls.__init__).parameters
+    kw = {k: v for k, v in options.items() if k in accepted}
+    unknown = set(options) - set(kw)
+    if unknown:
+        raise ValueError(f"method {name!r} has no option(s) {', '.join(sorted(unknown))}")
+    algo = cls(lora, train, n_clients, **{**kw, **fixed})
+    algo.name = name
+    return algo
 
 
 __all__ = ["Algorithm", "ClientContext", "ClientState", "TrainConfig", "average", "one_cycle_lr",
-           "tensor_bytes", "make_algorithm", "METHODS", "CoMiGS", "FedAvg", "Local", "Pretrained",
-           "Centralized"]
+           "tensor_bytes", "make_algorithm", "section_of", "METHODS", "REGISTRY", *(c.__name__ for c in CLASSES),
+           "CoMiGS"]

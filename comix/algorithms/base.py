@@ -55,6 +55,7 @@ class ClientState:
     optimizers: dict[str, Any] = field(default_factory=dict)  # name -> optimizer.state_dict()
     rng: torch.Tensor | None = None        # batch-sampling generator state
     step: int = 0                          # expert iterations done so far (t in Alg. 1)
+    extra: dict = field(default_factory=dict)  # method-specific private state (ranks, trust, ...)
 
 
 @dataclass
@@ -100,6 +101,8 @@ class Algorithm:
     trains = True
     pooled = False               # one model trained on every user's data (Centralized)
     lora_modules = 2             # "2x LoRA modules" to match CoMiGS-1G1S (paper Sec. 4.2)
+    common_init = False          # every client starts from the *same* adapters (FFA-LoRA's frozen A)
+    section: str | None = None   # the config section holding this method's options
 
     def __init__(self, lora: LoRAConfig, train: TrainConfig, n_clients: int):
         self.lora, self.train, self.n_clients = lora, train, n_clients
@@ -116,10 +119,15 @@ class Algorithm:
     def upload_of(self, adapters: Tensors) -> Tensors:
         return {n: t.detach().clone() for n, t in adapters.items() if self.is_shared(n)}
 
+    def train_params(self, model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+        """What the local (expert) optimizer updates; routers have their own steps (CoMiGS)."""
+        return expert_params(model)
+
     # -- server ------------------------------------------------------------------------------------
-    def server_init(self, initial_shared: Tensors) -> tuple[Any, dict[int, Tensors]]:
-        """Round-1 payloads: the same initial shared weights for everyone (a common start)."""
-        return None, {c: dict(initial_shared) for c in range(self.n_clients)}
+    def server_init(self, initial: dict[int, Tensors]) -> tuple[Any, dict[int, Tensors]]:
+        """Round-1 payloads from each client's freshly initialised shared tensors: by default
+        client 0's for everyone (a common start; shapes agree when the architecture is shared)."""
+        return None, {c: dict(initial[0]) for c in range(self.n_clients)}
 
     def server_round(self, server_state, uploads: dict[int, Tensors]) -> tuple[Any, dict[int, Tensors]]:
         if not uploads or not any(uploads.values()):
@@ -148,9 +156,17 @@ class Algorithm:
         upload = self.upload_of(state.adapters)
         return state, upload, {"train_loss": sum(losses) / max(1, len(losses))}
 
+    def client_finish(self, ctx: ClientContext, state: ClientState, payload: Tensors) -> ClientState:
+        """After the last server round: take the final payload (FDLoRA also fuses here)."""
+        return self.apply_payload(state, payload)
+
+    def regularizer(self, ctx: ClientContext, state: ClientState) -> torch.Tensor:
+        """Extra term of the local loss (HetLoRA's rank regulariser); none by default."""
+        return torch.zeros(())
+
     def local_training(self, ctx: ClientContext, state: ClientState, gen: torch.Generator) -> list[float]:
         """``local_steps`` expert iterations with AdamW; returns the training losses."""
-        params = expert_params(ctx.model)
+        params = self.train_params(ctx.model)
         opt = make_optimizer(params, state, "experts", self.train.weight_decay)
         total = self.train.rounds * self.train.local_steps
         losses = []
@@ -159,7 +175,8 @@ class Algorithm:
                 g["lr"] = one_cycle_lr(state.step, total, self.train.lr, self.train.warmup_frac)
             x, y = self.train_batch(ctx, gen)
             loss = lm_loss(ctx.model, x, y)
-            total_loss = loss + self.train.lb_weight * model_load_balance(ctx.model, self.train.load_balance)
+            total_loss = (loss + self.train.lb_weight * model_load_balance(ctx.model, self.train.load_balance)
+                          + self.regularizer(ctx, state))
             step_on(total_loss, [p for _, p in params], opt, self.train.grad_clip)
             losses.append(loss.item())
             state.step += 1

@@ -9,8 +9,10 @@ included), 1GXS (G=1, n_i per user, e.g. [2, 2, 4, 4]; a user with n_i = 1 has t
 Bi-level, alternating updates (Sec. 3.2-3.3, Alg. 1): expert steps minimise training loss +
 lambda * load balance (eq. 7) with the router fixed; every tau expert iterations, s router steps
 minimise *validation* loss + lambda * load balance (eq. 8) with the experts fixed, with their own
-constant-lr optimizer. ``router_data="train"`` is the ``-tr`` ablation (router steps on fresh
-training batches). Gradients never cross: each step differentiates only its own parameter set.
+constant-lr optimizer. ``router_update="train"`` is the ``-tr`` ablation (router steps on fresh
+training batches); ``"joint"`` trains router and experts together on the training loss (the
+baselines pFedMoE, Local-MoE, FedAvg-MoE of Table 5). Gradients never cross: each step
+differentiates only its own parameter set.
 """
 from __future__ import annotations
 
@@ -26,19 +28,21 @@ _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
 
 class CoMiGS(Algorithm):
     name = "comigs"
+    section = "comigs"
 
     def __init__(self, lora: LoRAConfig, train: TrainConfig, n_clients: int,
                  experts: int | list[int] = 2, generalists: int = 1, top_k: int = 2,
-                 router_data: str = "valid"):
+                 router_update: str = "valid", share_router: bool = False):
         super().__init__(lora, train, n_clients)
         self.experts = list(experts) if isinstance(experts, (list, tuple)) else [experts] * n_clients
         if len(self.experts) != n_clients:
             raise ValueError(f"comigs.experts lists {len(self.experts)} expert counts for {n_clients} users")
         if any(not 1 <= n <= 16 for n in self.experts):
             raise ValueError(f"comigs.experts must be in 1..16 per user, got {self.experts}")
-        if router_data not in ("valid", "train"):
-            raise ValueError(f"comigs.router_data must be 'valid' or 'train', got {router_data!r}")
-        self.generalists, self.top_k, self.router_data = generalists, top_k, router_data
+        if router_update not in ("valid", "train", "joint"):
+            raise ValueError(f"router_update must be valid, train or joint; got {router_update!r}")
+        self.generalists, self.top_k = generalists, top_k
+        self.router_update, self.share_router = router_update, share_router
 
     def adapter_config(self, client: int) -> AdapterConfig:
         return AdapterConfig(lora=self.lora, mlp="mixture", n_experts=self.experts[client], top_k=self.top_k)
@@ -50,16 +54,23 @@ class CoMiGS(Algorithm):
         if m:
             return int(m.group(1)) < self.generalists
         if ".mlp.router." in name:
-            return False
+            return self.share_router
         return ".lora." in name  # attention LoRA is shared with the generalists
 
+    def train_params(self, model):
+        # "joint" (pFedMoE, Local-/FedAvg-MoE): the router is one more parameter of the training
+        # loss; otherwise it has its own steps below and the expert optimizer never sees it.
+        if self.router_update == "joint":
+            return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        return super().train_params(model)
+
     def after_expert_step(self, ctx: ClientContext, state: ClientState, gen) -> None:
-        if state.step % self.train.tau != 0 or not router_params(ctx.model):
+        if self.router_update == "joint" or state.step % self.train.tau != 0 or not router_params(ctx.model):
             return
         params = [p for _, p in router_params(ctx.model)]
         opt = make_optimizer(router_params(ctx.model), state, "router", lr=self.train.router_lr)
         for _ in range(self.train.router_steps):
-            split = ctx.data.valid if self.router_data == "valid" else ctx.data.train
+            split = ctx.data.valid if self.router_update == "valid" else ctx.data.train
             x, y = sample_batch(split, self.train.batch_size, self.train.seq_len, gen)
             loss = lm_loss(ctx.model, x, y) + self.train.lb_weight * model_load_balance(
                 ctx.model, self.train.load_balance)

@@ -25,7 +25,7 @@ from ..algorithms.base import adapter_tensors, load_adapters
 from ..data import UserData
 from ..eval import perplexity
 from ..models import inject_adapters, mixtures, routing_stats, set_record_stats
-from ..models.lora import LoRAWeights
+from ..models.lora import LoRALinear, LoRAWeights
 
 
 def atomic_write(path: Path, write: Callable[[str], None]) -> None:
@@ -65,6 +65,8 @@ def fresh_adapters(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
         for m in model.modules():
             if isinstance(m, LoRAWeights):
                 m.reset_parameters()
+            if isinstance(m, LoRALinear) and m.lora_fusion is not None:
+                m.lora_fusion.data.fill_(1.0)
         for m in mixtures(model):
             if m.router is not None:
                 m.router.reset_parameters()
@@ -132,11 +134,12 @@ def run_method(algorithm: Algorithm, base: nn.Module, users: list[UserData], out
         atomic_write(metrics_path, lambda p: Path(p).write_text("".join(ln + "\n" for ln in kept)))
     else:
         torch.manual_seed(seed)
-        shared0 = algorithm.upload_of(fresh_adapters(models.for_client(0), seed))
+        initial = {c: algorithm.upload_of(fresh_adapters(models.for_client(c), seed)) for c in range(n_clients)}
         for c in range(n_clients):
-            store[c] = ClientState(adapters=fresh_adapters(models.for_client(c), seed + 1 + c),
+            init_seed = seed + 1 if algorithm.common_init else seed + 1 + c
+            store[c] = ClientState(adapters=fresh_adapters(models.for_client(c), init_seed),
                                    rng=torch.Generator().manual_seed(seed * 1000 + c).get_state())
-        server_state, payloads = algorithm.server_init(shared0)
+        server_state, payloads = algorithm.server_init(initial)
         metrics_path.write_text("")
 
     data_of = (lambda c: users) if algorithm.pooled else (lambda c: users[c])
@@ -151,11 +154,17 @@ def run_method(algorithm: Algorithm, base: nn.Module, users: list[UserData], out
             uploads[c] = upload
             client_metrics[c] = {**m, "bytes_up": tensor_bytes(upload), "bytes_down": tensor_bytes(payloads[c])}
         server_state, payloads = algorithm.server_round(server_state, uploads)
+        if rnd + 1 == train.rounds:  # the clients take the final payload (FDLoRA fuses here)
+            for c in range(n_clients):
+                ctx = ClientContext(c, models.for_client(c), data_of(c), train)
+                store[c] = algorithm.client_finish(ctx, store[c], payloads[c])
+                payloads[c] = {}
         evaluate_now = (rnd + 1) % train.eval_every == 0 or rnd + 1 == train.rounds
         lines = []
         for u_idx, user in enumerate(users):
             c = 0 if algorithm.pooled else u_idx
-            row = {"round": rnd + 1, "user": user.name, **client_metrics[c]}
+            row = {"round": rnd + 1, "iteration": (rnd + 1) * train.local_steps, "user": user.name,
+                   **client_metrics[c]}
             if algorithm.pooled:
                 row["bytes_up"] = row["bytes_down"] = 0
             if evaluate_now:
@@ -179,7 +188,7 @@ def run_method(algorithm: Algorithm, base: nn.Module, users: list[UserData], out
 
 def _personal_model(algorithm, models, state: ClientState, payload, client: int) -> nn.Module:
     """The model this client holds after the round: its own state with the new payload applied."""
-    personal = ClientState(adapters=dict(state.adapters))
+    personal = ClientState(adapters=dict(state.adapters), extra=state.extra)
     algorithm.apply_payload(personal, payload)
     model = models.for_client(client)
     load_adapters(model, personal.adapters)

@@ -8,6 +8,7 @@ read from parameter names alone, so they survive state dicts and the wire:
   ``...mlp.router.*``            router
   ``...mlp.<proj>.lora.*``       plain LoRA on the MLP (Local / FedAvg / ...)
   other ``*.lora.*``             attention LoRA
+  ``*.lora_local.*``             FDLoRA's personal LoRA; ``*.lora_fusion`` its fusion weights
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ class AdapterConfig:
     n_experts: int = 2
     top_k: int = 2
     fused: bool = True
+    personal: bool = False           # a second, personal LoRA beside each plain one (FDLoRA)
 
     def __post_init__(self):
         if self.mlp not in ("mixture", "lora", "none"):
@@ -68,12 +70,12 @@ def inject_adapters(model: nn.Module, cfg: AdapterConfig, n_experts: int | None 
             attn = _attention(block)
             for name in ATTENTION_TARGETS:
                 if hasattr(attn, name) and not isinstance(getattr(attn, name), LoRALinear):
-                    setattr(attn, name, LoRALinear(getattr(attn, name), cfg.lora))
+                    setattr(attn, name, LoRALinear(getattr(attn, name), cfg.lora, cfg.personal))
         if cfg.mlp == "mixture":
             block.mlp = MixtureOfLoRAMLP(block.mlp, d_model, n, cfg.top_k, cfg.lora, cfg.fused)
         elif cfg.mlp == "lora":
             for name in detect_mlp_layout(block.mlp).projections:
-                setattr(block.mlp, name, LoRALinear(getattr(block.mlp, name), cfg.lora))
+                setattr(block.mlp, name, LoRALinear(getattr(block.mlp, name), cfg.lora, cfg.personal))
     return model
 
 
@@ -85,7 +87,11 @@ _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
 
 
 def param_role(name: str) -> str:
-    """generalist | specialist | router | mlp_lora | attention_lora | base."""
+    """generalist | specialist | router | mlp_lora | attention_lora | personal_lora | fusion | base."""
+    if ".lora_local." in name:
+        return "personal_lora"
+    if name.endswith("lora_fusion"):
+        return "fusion"
     m = _EXPERT.search(name)
     if m:
         return "generalist" if m.group(1) == "0" else "specialist"

@@ -67,15 +67,22 @@ class LoRAWeights(nn.Module):
 
 
 class LoRALinear(nn.Module):
-    """A frozen linear layer plus one LoRA adapter; the frozen layer stays at ``.base``."""
+    """A frozen linear layer plus one LoRA adapter; the frozen layer stays at ``.base``.
 
-    def __init__(self, base: nn.Module, cfg: LoRAConfig):
+    ``personal=True`` adds a second adapter ``lora_local`` and fusion weights (w_global,
+    w_local) (FDLoRA's dual LoRA): y = base(x) + w_0 * lora(x) + w_1 * lora_local(x). The fusion
+    weights are a frozen parameter so they travel with the client's adapters; the algorithm
+    sets them (they are found by black-box search, not by gradients)."""
+
+    def __init__(self, base: nn.Module, cfg: LoRAConfig, personal: bool = False):
         super().__init__()
         in_f, out_f = linear_dims(base)
         self.base = base
         for p in self.base.parameters():
             p.requires_grad_(False)
         self.lora = LoRAWeights(in_f, out_f, cfg.rank)
+        self.lora_local = LoRAWeights(in_f, out_f, cfg.rank) if personal else None
+        self.lora_fusion = nn.Parameter(torch.ones(2), requires_grad=False) if personal else None
         self.scaling = cfg.scaling
         self.dropout = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
 
@@ -84,4 +91,8 @@ class LoRALinear(nn.Module):
         return self.base.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + self.lora.delta(self.dropout(x), self.scaling)
+        xd = self.dropout(x)
+        if self.lora_local is None:
+            return self.base(x) + self.lora.delta(xd, self.scaling)
+        w = self.lora_fusion
+        return self.base(x) + w[0] * self.lora.delta(xd, self.scaling) + w[1] * self.lora_local.delta(xd, self.scaling)

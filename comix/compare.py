@@ -1,0 +1,150 @@
+"""Run a grid of methods x seeds, resumably, and summarise it like the CoMiGS paper.
+
+A *method spec* is a method name with optional options, ``name[:key=value,key=value]``: bare keys
+belong to the method's config section, dotted keys are any config key. Examples:
+``hetlora:reg=0.05``, ``comigs-1gxs:experts=[1,2,4,8]``, ``comigs-1gxs:train.load_balance=none``.
+
+Layout: ``<run_dir>/seed<S>/<spec>/{metrics.jsonl,results.json,...}``; a finished run (its
+``results.json`` exists) is skipped, an interrupted one resumes from its checkpoint. The summary
+holds a Table 1/5-style table (mean (std) over seeds of the users' mean test perplexity), a
+per-user table (mean over seeds), learning curves of test perplexity vs iteration (Fig. 9) and
+per-user curves (Fig. 5-7).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import re
+import statistics
+from pathlib import Path
+
+import yaml
+
+from .config import ConfigError, RunConfig, _set
+
+
+def split_spec(spec: str) -> tuple[str, list[str]]:
+    """``"hetlora:reg=0.05,gamma=0.9"`` -> ("hetlora", ["reg=0.05", "gamma=0.9"]); commas inside
+    brackets stay (``experts=[1,2,4,8]``)."""
+    name, _, opts = spec.partition(":")
+    items, depth, cur = [], 0, ""
+    for ch in opts:
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            items.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    items += [cur] if cur else []
+    return name.strip(), [i.strip() for i in items if i.strip()]
+
+
+def spec_config(cfg: RunConfig, spec: str) -> RunConfig:
+    """A copy of ``cfg`` with the spec's options applied."""
+    from .algorithms import section_of
+    name, items = split_spec(spec)
+    out = copy.deepcopy(cfg)
+    section = section_of(name)
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"method {spec!r}: option {item!r} must look like key=value")
+        key, value = item.split("=", 1)
+        if key.split(".")[0] in ("data", "model", "corpus", "seed", "seeds", "methods", "run_dir"):
+            raise ConfigError(f"method {spec!r}: option {key!r} would change the data or the grid; "
+                              "set it for the whole run instead")
+        if "." not in key:
+            if not section:
+                raise ConfigError(f"method {spec!r}: {name} has no options; use a dotted key (e.g. train.lr=...)")
+            key = f"{section}.{key}"
+        _set(out, key.strip(), yaml.safe_load(value))
+    return out.validate()
+
+
+def spec_dirname(spec: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.=-]+", "_", spec.replace(":", "__")).strip("_")
+
+
+def collect(run_dir: Path, specs: list[str], seeds: list[int]) -> dict[str, dict[int, dict]]:
+    """spec -> seed -> results.json of every finished run."""
+    out: dict[str, dict[int, dict]] = {}
+    for spec in specs:
+        for seed in seeds:
+            f = run_dir / f"seed{seed}" / spec_dirname(spec) / "results.json"
+            if f.exists():
+                out.setdefault(spec, {})[seed] = json.loads(f.read_text())
+    return out
+
+
+def _mean_std(xs: list[float]) -> str:
+    return f"{statistics.fmean(xs):.2f} ({statistics.pstdev(xs):.2f})" if len(xs) > 1 else f"{xs[0]:.2f}"
+
+
+def summary_tables(results: dict[str, dict[int, dict]], users: list[str]) -> str:
+    """Table 1/5 style (mean (std) over seeds of the users' mean test ppl) and a per-user table."""
+    lines = ["| method | mean test ppl (std over seeds) | seeds |", "|---|---|---|"]
+    for spec, by_seed in results.items():
+        lines.append(f"| {spec} | {_mean_std([r['mean_test_ppl'] for r in by_seed.values()])} | {len(by_seed)} |")
+    lines += ["", "| method | " + " | ".join(users) + " |", "|" + "---|" * (len(users) + 1)]
+    for spec, by_seed in results.items():
+        cells = [_mean_std([r["per_user"][u]["test_ppl"] for r in by_seed.values()]) for u in users]
+        lines.append(f"| {spec} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def curves(run_dir: Path, specs: list[str], seeds: list[int]) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """spec -> user -> [(iteration, test ppl mean over seeds)] from metrics.jsonl."""
+    out: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    for spec in specs:
+        points: dict[tuple[str, int], list[float]] = {}
+        for seed in seeds:
+            f = run_dir / f"seed{seed}" / spec_dirname(spec) / "metrics.jsonl"
+            if not f.exists():
+                continue
+            for line in f.read_text().splitlines():
+                row = json.loads(line)
+                if "test_ppl" in row:
+                    it = row["iteration"]
+                    points.setdefault((row["user"], it), []).append(row["test_ppl"])
+        for (user, it), v in sorted(points.items(), key=lambda kv: kv[0][1]):
+            out.setdefault(spec, {}).setdefault(user, []).append((it, statistics.fmean(v)))
+    return out
+
+
+def references(results: dict[str, dict[int, dict]]) -> dict[str, dict[str, float]]:
+    """Untrained methods (Pretrained): spec -> user -> test ppl, drawn as horizontal lines."""
+    return {spec: {u: statistics.fmean(r["per_user"][u]["test_ppl"] for r in by.values())
+                   for u in next(iter(by.values()))["per_user"]}
+            for spec, by in results.items() if by and all(r["rounds"] == 0 for r in by.values())}
+
+
+def plot_curves(data: dict, path: Path, per_user: bool, refs: dict | None = None) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .engines.inprocess import atomic_write
+
+    users = sorted({u for by_user in data.values() for u in by_user})
+    panels = users if per_user else ["mean over users"]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        for spec, by_user in data.items():
+            if per_user:
+                pts = by_user.get(panel, [])
+            else:
+                its = sorted({it for u in by_user.values() for it, _ in u})
+                pts = [(it, statistics.fmean(v for u in by_user.values() for i, v in u if i == it)) for it in its]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", ms=3, label=spec)
+        for spec, by_user in (refs or {}).items():
+            level = by_user.get(panel) if per_user else statistics.fmean(by_user.values())
+            if level is not None:
+                ax.axhline(level, ls="--", lw=1, color="grey", label=spec)
+        ax.set_title(panel)
+        ax.set_xlabel("iteration")
+        ax.set_ylabel("test perplexity")
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    atomic_write(path, lambda p: fig.savefig(p, dpi=120, format="png"))
+    plt.close(fig)

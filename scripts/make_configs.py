@@ -1,0 +1,85 @@
+"""Write configs/{paper,small}/*.yaml: one recipe per comparison of the CoMiGS paper.
+
+    python scripts/make_configs.py      # regenerates the files; edit here, not there
+
+paper: App. B.1's scale (20 rounds x 10 iterations, batch 64 x 128, tau 30, 10 router steps;
+a GPU job). small: the scale of bench/reproduce.py --scale small (~25 min per 6 methods on 2 CPU
+cores). Both on the built-in offline corpora with SmolLM2-135M; for the paper's own data use
+model=gpt2 corpus=ag_news ... (see configs/table1-*.yaml).
+"""
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1] / "configs"
+SCALES = {
+    "paper": dict(data={}, train=dict(rounds=20, local_steps=10, batch_size=64, seq_len=128, lr=0.002,
+                                      router_lr=0.002, tau=30, router_steps=10, lb_weight=0.01, eval_every=1)),
+    "small": dict(data=dict(valid_tokens=16384, test_tokens=4096),
+                  train=dict(rounds=4, local_steps=4, batch_size=4, seq_len=128, tau=4, router_steps=2,
+                             eval_every=2, eval_splits=["test"])),
+}
+SETTINGS = {  # name -> (corpus, mode, what it stands for in the paper)
+    "multilingual": ("multilingual", "in", "language shift, in-distribution (Table 1 'Multilingual')"),
+    "topics-in": ("topics", "in", "topic shift, in-distribution (Table 1 'SlimPajama')"),
+    "topics-ood": ("topics", "ood", "out-of-distribution: test on the mixture (Table 1 'AG News')"),
+}
+EXPERTS = [2, 2, 4, 4]            # Table 2's resource profile: n_i per user (active rank 16 for all)
+HETLORA_REG = [0.05, 0.005, 0.0005]  # App. C.3's sweep
+
+
+def _list(spec: str) -> str:
+    return spec.replace(" ", "")
+
+
+COMPARISONS = {
+    "table1": ("Table 1: the main comparison",
+               ["pretrained", "centralized", "local", "fedavg", "pcl", "pfedmoe", "fdlora",
+                "comigs-2s", "comigs-2g", "comigs-1g1s"]),
+    "table5": ("Table 5: groups I (no routing) .. IV (CoMiGS)",
+               ["pretrained", "centralized", "local", "fedavg", "ffa-lora", "fedsa-lora", "pcl",      # I
+                "local-moe", "fedavg-moe", "pfedmoe",                                                 # II
+                "local-moe-tr", "fedavg-moe-tr", "comigs-tr",                                         # III
+                "comigs-2s", "comigs-2g", "comigs-1g1s"]),                                            # IV
+    "table2": (f"Table 2: resource heterogeneity, n_i = {EXPERTS} and reversed; HetLoRA / FlexLoRA matched by "
+               f"active (rank 16 for all) and full (rank 8 n_i) parameters; HetLoRA's reg swept",
+               [m for profile in (EXPERTS, EXPERTS[::-1]) for m in (
+                   _list(f"comigs-1gxs:experts={profile}"),
+                   *[_list(f"hetlora:ranks={[8 * n for n in profile]},reg={r}") for r in HETLORA_REG],
+                   _list(f"flexlora:ranks={[8 * n for n in profile]}"))]
+               + [f"hetlora:ranks=[16,16,16,16],reg={r}" for r in HETLORA_REG] + ["flexlora:ranks=[16,16,16,16]"]),
+    "table6": ("Table 6: load balancing none / uniform / generalist-favoured (eq. 10), homo and hetero",
+               [*[f"comigs-1g1s:train.load_balance={lb}" for lb in ("none", "uniform")],
+                *[_list(f"comigs-1gxs:experts={EXPERTS},train.load_balance={lb}")
+                  for lb in ("none", "uniform", "generalist")]]),
+}
+# Sec. 4.4 / App. D: fr and it get 4x the training tokens of de and nl; n_i homogeneous
+# (Fig. 5), positively (Fig. 6) or negatively (Fig. 7) correlated with data size.
+SKEW_TOKENS = {"paper": [125_000, 500_000, 500_000, 125_000], "small": [8_192, 32_768, 32_768, 8_192]}
+SKEW_METHODS = [*[f"comigs-1gxs:experts=[{n},{n},{n},{n}]" for n in (1, 2, 4, 8)],
+                "comigs-1gxs:experts=[2,8,8,2]", "comigs-1gxs:experts=[8,2,2,8]", "local", "fedavg"]
+
+
+def write(path: Path, comment: str, cfg: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = yaml.safe_dump(cfg, sort_keys=False, default_flow_style=None, width=110)
+    path.write_text("".join(f"# {line}\n" for line in comment.splitlines()) + body)
+
+
+def main() -> None:
+    for scale, base in SCALES.items():
+        for setting, (corpus, mode, what) in SETTINGS.items():
+            for comp, (title, methods) in COMPARISONS.items():
+                cfg = dict(model="smollm2-135m", corpus=corpus, methods=methods, seeds=[42, 45, 47],
+                           data={"mode": mode, **base["data"]}, train=base["train"])
+                write(ROOT / scale / f"{comp}-{setting}.yaml",
+                      f"{title}\n{what}; {scale} scale. Run: comix compare configs/{scale}/{comp}-{setting}.yaml", cfg)
+        cfg = dict(model="smollm2-135m", corpus="multilingual", methods=SKEW_METHODS, seeds=[42, 45, 47],
+                   data={"mode": "in", "train_tokens": SKEW_TOKENS[scale], **base["data"]}, train=base["train"])
+        write(ROOT / scale / "quantity-skew.yaml",
+              f"Sec. 4.4 / App. D quantity skew: de, nl low data; fr, it 4x more; n_i homogeneous or correlated\n"
+              f"{scale} scale. Run: comix compare configs/{scale}/quantity-skew.yaml (see curves_per_user.png)", cfg)
+
+
+if __name__ == "__main__":
+    main()

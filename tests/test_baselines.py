@@ -1,0 +1,196 @@
+"""Each baseline's defining property (issue B), on a tiny random Llama."""
+import json
+
+import pytest
+import torch
+
+from comix.algorithms import ClientState, TrainConfig, make_algorithm
+from comix.algorithms import comigs as comigs_module
+from comix.algorithms.base import load_adapters, lm_loss
+from comix.algorithms.fdlora import set_fusion
+from comix.algorithms.hetero import lora_pairs
+from comix.data import SplitConfig, make_user_data, sample_batch
+from comix.engines import run_method
+from comix.engines.inprocess import ClientModels, fresh_adapters
+from comix.models import LoRAConfig, load_base_model, param_role
+from test_algorithms import _client
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model, tok = load_base_model("tiny-llama")
+    corpus = {c: [f"{c} text {i} " * 30 + "x" * (i % 7) for i in range(20)] for c in ("a", "b", "c")}
+    users = make_user_data(corpus, tok, SplitConfig(valid_tokens=600, test_tokens=300))
+    return model, users
+
+
+def _train(**kw):
+    base = dict(rounds=2, local_steps=3, batch_size=2, seq_len=16, tau=2, router_steps=2, eval_every=1,
+                eval_batch_size=4)
+    return TrainConfig(**{**base, **kw})
+
+
+def _algo(name, n=3, **options):
+    return make_algorithm(name, LoRAConfig(r=4), _train(), n, **options)
+
+
+# -- HetLoRA -------------------------------------------------------------------------------------
+def test_hetlora_zero_pads_to_the_max_rank_and_truncates_back():
+    algo = _algo("hetlora", n=2, ranks=[2, 4], aggregation="uniform")
+    a0, b0 = torch.arange(6.).reshape(2, 3), torch.ones(5, 2)
+    a1, b1 = torch.full((4, 3), 2.), torch.full((5, 4), 3.)
+    up = {0: {"x.lora.lora_A": a0, "x.lora.lora_B": b0}, 1: {"x.lora.lora_A": a1, "x.lora.lora_B": b1}}
+    _, payloads = algo.server_round(None, up)
+    glob_a = torch.cat([(a0 + a1[:2]) / 2, a1[2:] / 2])          # padding rows are zeros
+    glob_b = torch.cat([(b0 + b1[:, :2]) / 2, b1[:, 2:] / 2], 1)
+    assert payloads[1]["x.lora.lora_A"].shape == (4, 3) and payloads[0]["x.lora.lora_A"].shape == (2, 3)
+    assert torch.allclose(payloads[1]["x.lora.lora_A"], glob_a) and torch.allclose(payloads[1]["x.lora.lora_B"], glob_b)
+    assert torch.allclose(payloads[0]["x.lora.lora_A"], glob_a[:2]) and torch.allclose(payloads[0]["x.lora.lora_B"], glob_b[:, :2])
+
+
+def test_hetlora_sparsity_weights_follow_update_norms():
+    algo = _algo("hetlora", n=2, ranks=[2, 2])
+    up0 = {"x.lora.lora_A": torch.ones(2, 3), "x.lora.lora_B": torch.zeros(4, 2)}   # dW = 0
+    up1 = {"x.lora.lora_A": torch.ones(2, 3), "x.lora.lora_B": torch.ones(4, 2)}
+    w = algo.weights({0: up0, 1: up1})
+    assert w == {0: 0.0, 1: 1.0}
+    _, payloads = algo.server_round(None, {0: up0, 1: up1})
+    assert torch.equal(payloads[0]["x.lora.lora_B"], up1["x.lora.lora_B"])
+
+
+def test_hetlora_self_prunes_and_holds_the_tail_at_zero(setup):
+    model, users = setup
+    algo = make_algorithm("hetlora", LoRAConfig(r=4), _train(local_steps=4), 3, ranks=[8, 8, 4], reg=5.0, gamma=0.5)
+    ctx, state = _client(algo, model, users, 0)
+    ranks = []
+    for _ in range(3):
+        state, upload, m = algo.client_round(ctx, state, {})
+        ranks.append(m["rank"])
+        assert algo.rank_of(upload) == m["rank"]  # only the active components travel
+    assert ranks[0] == 8 and ranks[-1] < 8
+    for a, b in lora_pairs(state.adapters).values():
+        assert state.adapters[a][ranks[-1]:].abs().sum() == 0 and state.adapters[b][:, ranks[-1]:].abs().sum() == 0
+
+
+# -- FlexLoRA ------------------------------------------------------------------------------------
+def test_flexlora_redistribution_is_exact_when_the_rank_allows():
+    torch.manual_seed(0)
+    algo = _algo("flexlora", n=3, ranks=[2, 2, 8])
+    ups = {c: {"m.lora.lora_A": torch.randn(2, 10), "m.lora.lora_B": torch.randn(6, 2)} for c in (0, 1)}
+    ups[2] = {"m.lora.lora_A": torch.randn(8, 10) * (torch.arange(8) < 2)[:, None], "m.lora.lora_B": torch.randn(6, 8)}
+    mean = sum(algo.scaling(c) * u["m.lora.lora_B"].double() @ u["m.lora.lora_A"].double() for c, u in ups.items()) / 3
+    _, payloads = algo.server_round(None, ups)
+    rebuilt = lambda c: algo.scaling(c) * payloads[c]["m.lora.lora_B"].double() @ payloads[c]["m.lora.lora_A"].double()  # noqa: E731
+    assert torch.linalg.matrix_rank(mean) == 6 and torch.allclose(rebuilt(2), mean, atol=1e-5)   # rank 6 <= 8: exact
+    u, s, vh = torch.linalg.svd(mean)
+    assert torch.allclose(rebuilt(0), (u[:, :2] * s[:2]) @ vh[:2], atol=1e-5)                     # best rank-2
+    assert payloads[0]["m.lora.lora_A"].shape == (2, 10) and payloads[2]["m.lora.lora_B"].shape == (6, 8)
+
+
+# -- FFA-LoRA, FedSA-LoRA ------------------------------------------------------------------------
+def _final_states(tmp_path, method, users, model):
+    algo = make_algorithm(method, LoRAConfig(r=4), _train(), 3)
+    run_method(algo, model, users, tmp_path / method, seed=5)
+    return torch.load(tmp_path / method / "checkpoint.pt", weights_only=False)["states"]
+
+
+def test_ffa_lora_keeps_a_frozen_and_identical_across_users(setup, tmp_path):
+    model, users = setup
+    algo = make_algorithm("ffa-lora", LoRAConfig(r=4), _train(), 3)
+    states = _final_states(tmp_path, "ffa-lora", users, model)
+    a_names = [n for n in states[0].adapters if n.endswith("lora_A")]
+    b_names = [n for n in states[0].adapters if n.endswith("lora_B")]
+    for n in a_names:
+        assert torch.equal(states[0].adapters[n], states[1].adapters[n]) and torch.equal(states[1].adapters[n], states[2].adapters[n])
+    init = fresh_adapters(ClientModels(model, algo).for_client(0), 5 + 1)  # the run's common init seed
+    assert all(torch.equal(states[2].adapters[n], init[n]) for n in a_names)  # bit-identical to the init
+    assert any(states[0].adapters[n].abs().sum() > 0 for n in b_names)          # B did train
+
+
+def test_fedsa_lora_averages_a_and_keeps_b_local(setup, tmp_path):
+    model, users = setup
+    states = _final_states(tmp_path, "fedsa-lora", users, model)
+    a = [n for n in states[0].adapters if n.endswith("lora_A")]
+    b = [n for n in states[0].adapters if n.endswith("lora_B")]
+    assert all(torch.equal(states[0].adapters[n], states[1].adapters[n]) for n in a)  # the final A is the average
+    assert all(not torch.equal(states[0].adapters[n], states[1].adapters[n]) for n in b)
+    rows = [json.loads(x) for x in (tmp_path / "fedsa-lora" / "metrics.jsonl").read_text().splitlines()]
+    a_bytes = sum(states[0].adapters[n].numel() * 4 for n in a)
+    assert rows[0]["bytes_up"] == a_bytes  # exactly the A matrices travel
+
+
+# -- PCL -----------------------------------------------------------------------------------------
+def test_pcl_trust_weights_are_a_distribution_favouring_helpful_peers(setup):
+    model, users = setup
+    algo = _algo("pcl")
+    ctx, state = _client(algo, model, users, 0)
+    state, mine, _ = algo.client_round(ctx, state, {})
+    noisy = {n: t + 3 * torch.randn_like(t) for n, t in mine.items()}
+    _, payloads = algo.server_round(None, {0: mine, 1: noisy, 2: mine})
+    assert set(algo.peers(payloads[0])) == {0, 1, 2}
+    w = algo.trust(ctx, state, algo.peers(payloads[0]))
+    assert (w >= 0).all() and w.sum().item() == pytest.approx(1.0)
+    assert w[1] < w[0] and w[0] == pytest.approx(w[2])
+    state, _, m = algo.client_round(ctx, state, payloads[0])
+    assert len(m["trust"]) == 3 and sum(m["trust"]) == pytest.approx(1.0, abs=1e-3)
+
+
+# -- FDLoRA --------------------------------------------------------------------------------------
+def test_fdlora_outer_optimizer_is_sgd_with_momentum():
+    algo = _algo("fdlora", n=2)
+    theta = {"w": torch.zeros(2)}
+    s, _ = algo.server_init({0: theta, 1: theta})
+    s, p = algo.server_round(s, {0: {"w": torch.tensor([1., 1.])}, 1: {"w": torch.tensor([3., 1.])}})
+    assert torch.equal(p[0]["w"], torch.tensor([2., 1.]))            # m = -mean; theta = mean (lr 1)
+    s, p = algo.server_round(s, {0: {"w": torch.tensor([2., 1.])}, 1: {"w": torch.tensor([2., 1.])}})
+    assert torch.equal(p[1]["w"], torch.tensor([3., 1.5]))           # m = 0.5 m + 0 -> theta += 0.5 * mean step
+
+
+def test_fdlora_fusion_lowers_the_validation_objective(setup):
+    model, users = setup
+    algo = make_algorithm("fdlora", LoRAConfig(r=4), _train(local_steps=6), 3, budget=30)
+    ctx, state = _client(algo, model, users, 0)
+    state, _, _ = algo.client_round(ctx, state, {})
+    # a harmful global LoRA (as if the federation were far from this user): fusion should shrink it
+    payload = {n: t + 0.5 * torch.randn_like(t) for n, t in state.adapters.items() if algo.is_shared(n)}
+    gen = torch.Generator().manual_seed(0)
+    batches = [sample_batch(users[0].valid, 2, 16, gen) for _ in range(algo.fewshot_batches)]
+    state = algo.client_finish(ctx, state, payload)
+    w = state.extra["fusion"]
+
+    def val(weights):
+        load_adapters(ctx.model, state.adapters)
+        set_fusion(ctx.model, weights)
+        with torch.no_grad():
+            return sum(lm_loss(ctx.model, x, y).item() for x, y in batches) / len(batches)
+    assert abs(w[0]) < 0.5 and val(w) < val((0.5, 0.5))
+    fusion = [t for n, t in state.adapters.items() if param_role(n) == "fusion"]
+    assert fusion and all(torch.allclose(t, torch.tensor(w, dtype=t.dtype)) for t in fusion)
+
+
+# -- mixtures trained jointly (pFedMoE, Local-/FedAvg-MoE) -----------------------------------------
+@pytest.mark.parametrize("method", ["pfedmoe", "local-moe", "fedavg-moe"])
+def test_joint_router_updates_use_training_batches_only(setup, method, monkeypatch):
+    model, users = setup
+    algo = _algo(method)
+    ctx, state = _client(algo, model, users, 0)
+    ctx.data = type(users[0])(users[0].name, users[0].train, torch.zeros(0, dtype=users[0].valid.dtype), users[0].test)
+    monkeypatch.setattr(comigs_module, "sample_batch", lambda *a: pytest.fail("router step sampled a batch"))
+    routers = {n: t.clone() for n, t in state.adapters.items() if param_role(n) == "router"}
+    state, upload, _ = algo.client_round(ctx, state, {})
+    assert any(not torch.equal(state.adapters[n], t) for n, t in routers.items())  # the router trained ...
+    assert "router" not in state.optimizers                                        # ... with the experts
+
+
+def test_fedavg_moe_averages_the_routers():
+    algo = _algo("fedavg-moe", n=2)
+    up = {c: {"b.mlp.router.weight": torch.full((2, 3), float(c))} for c in (0, 1)}
+    _, p = algo.server_round(None, up)
+    assert torch.equal(p[0]["b.mlp.router.weight"], torch.full((2, 3), 0.5))
+    assert not _algo("pfedmoe").is_shared("b.mlp.router.weight")
+
+
+def test_client_states_keep_their_private_extras(setup, tmp_path):
+    model, users = setup
+    states = _final_states(tmp_path, "fdlora", users, model)
+    assert all(isinstance(s, ClientState) and len(s.extra["fusion"]) == 2 for s in states.values())
