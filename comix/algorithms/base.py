@@ -116,6 +116,23 @@ class Algorithm:
     def is_shared(self, name: str) -> bool:
         return False
 
+    def check_upload(self, upload: Tensors, reference: Tensors) -> str | None:
+        """Why a client's upload must be rejected (None: accept). ``reference`` is the client's
+        own initial upload: the same names and shapes, finite values. Engines never aggregate a
+        rejected upload (a faulty or malicious device)."""
+        extra, missing = set(upload) - set(reference), set(reference) - set(upload)
+        if extra or missing:
+            return f"undeclared tensors {sorted(extra)[:3]}" if extra else f"missing tensors {sorted(missing)[:3]}"
+        for n, t in upload.items():
+            if not self.shape_ok(n, tuple(t.shape), tuple(reference[n].shape)):
+                return f"tensor {n} has shape {tuple(t.shape)}, expected {tuple(reference[n].shape)}"
+            if not torch.isfinite(t).all():
+                return f"tensor {n} holds NaN or inf"
+        return None
+
+    def shape_ok(self, name: str, shape: tuple, expected: tuple) -> bool:
+        return shape == expected
+
     def upload_of(self, adapters: Tensors) -> Tensors:
         return {n: t.detach().clone() for n, t in adapters.items() if self.is_shared(n)}
 

@@ -63,6 +63,12 @@ class HetLoRA(HeteroRank):
         glob = self.aggregate(uploads)
         return server_state, {c: truncate(glob, self.ranks[c]) for c in range(self.n_clients)}
 
+    def shape_ok(self, name: str, shape: tuple, expected: tuple) -> bool:
+        # a pruned client uploads only its active components: fewer rows of A / columns of B
+        rank_dim = 0 if name.endswith("lora_A") else 1
+        return len(shape) == 2 and 1 <= shape[rank_dim] <= expected[rank_dim] and \
+            shape[1 - rank_dim] == expected[1 - rank_dim]
+
     # -- client ------------------------------------------------------------------------------------
     def _rank(self, state: ClientState, client: int) -> int:
         return state.extra.setdefault("rank", self.ranks[client])

@@ -1,0 +1,130 @@
+"""One client's side of federated training, whatever carries the messages (in-process calls or
+Flower messages). A ``Device`` answers three requests:
+
+  * ``init()``: create this client's private state (if it has none yet) and return its freshly
+    initialised shared tensors (the server builds round 1's payloads from them);
+  * ``train(payload, round, finish)``: one local round (``Algorithm.client_round``), then with
+    ``finish`` the algorithm's final step on the last payload (``client_finish``);
+  * ``evaluate(payload)``: perplexity of the model this client holds after the round.
+Private state (adapters incl. specialists and routers, optimizer moments, RNG) lives in a
+``StateStore``: memory, or files keyed by the client id so that a restarted device continues.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..algorithms import Algorithm, ClientContext, ClientState
+from ..algorithms.base import Tensors, adapter_tensors, load_adapters
+from ..data import UserData
+from ..eval import perplexity
+from ..models import mixtures, routing_stats, set_record_stats
+from ..models.lora import LoRALinear, LoRAWeights
+
+
+def atomic_write(path: Path, write: Callable[[str], None]) -> None:
+    """Write through a temp file in the same directory, then rename: never a half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def fresh_adapters(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """Re-initialise every adapter of ``model`` from ``seed`` and return them."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        for m in model.modules():
+            if isinstance(m, LoRAWeights):
+                m.reset_parameters()
+            if isinstance(m, LoRALinear) and m.lora_fusion is not None:
+                m.lora_fusion.data.fill_(1.0)
+        for m in mixtures(model):
+            if m.router is not None:
+                m.router.reset_parameters()
+    return adapter_tensors(model)
+
+
+class StateStore:
+    """Client states in memory, or on disk (one file per client) when ``directory`` is set."""
+
+    def __init__(self, directory: Path | None = None):
+        self.dir, self.mem = directory, {}
+
+    def _path(self, c: int) -> Path:
+        return self.dir / f"client{c}.pt"
+
+    def __contains__(self, c: int) -> bool:
+        return c in self.mem if self.dir is None else self._path(c).exists()
+
+    def __setitem__(self, c: int, state: ClientState):
+        if self.dir is None:
+            self.mem[c] = state
+        else:
+            atomic_write(self._path(c), lambda p: torch.save(state, p))
+
+    def __getitem__(self, c: int) -> ClientState:
+        if self.dir is None:
+            return self.mem[c]
+        return torch.load(self._path(c), weights_only=False)
+
+
+def evaluate(model: nn.Module, user: UserData, seq_len: int, batch_size: int, splits=("valid", "test")):
+    out = {f"{s}_ppl": perplexity(model, user.tokens(s), seq_len, batch_size) for s in splits}
+    if mixtures(model):  # mean gate per layer and expert on one validation batch
+        set_record_stats(model, True)
+        rows = max(1, min(4, (len(user.valid) - 1) // seq_len))
+        with torch.no_grad():
+            model.eval()
+            model(input_ids=user.valid[:rows * seq_len].long().reshape(rows, seq_len))
+        out["gates"] = [[round(v, 4) for v in s["mean_gate"].tolist()] for s in routing_stats(model)]
+        set_record_stats(model, False)
+    return out
+
+
+class Device:
+    def __init__(self, algorithm: Algorithm, model: nn.Module, data: UserData | list[UserData], client: int,
+                 seed: int, store: StateStore):
+        self.algorithm, self.model, self.data, self.client = algorithm, model, data, client
+        self.seed, self.store = seed, store
+
+    def init(self) -> Tensors:
+        a, c = self.algorithm, self.client
+        if c not in self.store:
+            init_seed = self.seed + 1 if a.common_init else self.seed + 1 + c
+            self.store[c] = ClientState(adapters=fresh_adapters(self.model, init_seed),
+                                        rng=torch.Generator().manual_seed(self.seed * 1000 + c).get_state())
+        return a.upload_of(fresh_adapters(self.model, self.seed))
+
+    def context(self) -> ClientContext:
+        return ClientContext(self.client, self.model, self.data, self.algorithm.train)
+
+    def train(self, payload: Tensors) -> tuple[Tensors, dict]:
+        state, upload, metrics = self.algorithm.client_round(self.context(), self.store[self.client], payload)
+        self.store[self.client] = state
+        return upload, metrics
+
+    def finish(self, payload: Tensors) -> None:
+        self.store[self.client] = self.algorithm.client_finish(self.context(), self.store[self.client], payload)
+
+    def personal_model(self, payload: Tensors) -> nn.Module:
+        """The model this client holds after the round: its own state with the new payload applied."""
+        state = self.store[self.client]
+        personal = ClientState(adapters=dict(state.adapters), extra=state.extra)
+        self.algorithm.apply_payload(personal, payload)
+        load_adapters(self.model, personal.adapters)
+        return self.model
+
+    def evaluate(self, payload: Tensors, user: UserData) -> dict:
+        t = self.algorithm.train
+        return evaluate(self.personal_model(payload), user, t.seq_len, t.eval_batch_size, t.eval_splits)

@@ -1,0 +1,121 @@
+"""The server's side of a run, whatever carries the messages: Alg. 1's outer loop.
+
+Each round: every client trains on its payload and replies (upload + metrics); replies that fail
+the algorithm's checks (undeclared or missing tensors, wrong shapes, NaN/inf) or never arrive
+are logged and left out, so ``server_round`` aggregates the others (weights renormalised over
+who replied); then the next payloads. After the last round the clients take their final
+payload (``client_finish``); on evaluation rounds each client reports its perplexities.
+
+A ``Transport`` carries the requests: ``init() -> {client: shared tensors}``,
+``train({client: payload}) -> {client: (upload, metrics) | error string}``,
+``finish({client: payload})``, ``evaluate({client: payload}) -> {user: metrics}`` and
+``snapshot()/restore()`` of what the server must checkpoint for the clients (in-process: their
+states; Flower devices persist their own). A checkpoint is written atomically every round;
+``resume=True`` continues from it with the same numbers as an uninterrupted run.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable, Protocol
+
+import torch
+
+from ..algorithms import Algorithm, tensor_bytes
+from ..algorithms.base import Tensors
+from .device import atomic_write
+
+log = logging.getLogger("comix.server")
+
+
+class Transport(Protocol):
+    def init(self) -> dict[int, Tensors]: ...
+    def train(self, payloads: dict[int, Tensors]) -> dict[int, tuple[Tensors, dict] | str]: ...
+    def finish(self, payloads: dict[int, Tensors]) -> None: ...
+    def evaluate(self, payloads: dict[int, Tensors]) -> dict[str, dict]: ...
+    def snapshot(self): ...
+    def restore(self, snapshot) -> None: ...
+
+
+def serve(algorithm: Algorithm, transport: Transport, users: list[str], out_dir: Path, seed: int = 42,
+          resume: bool = False, progress: Callable[[dict], None] | None = None) -> dict:
+    """Run ``algorithm`` to the end; writes metrics.jsonl, checkpoint.pt and results.json."""
+    train = algorithm.train
+    out_dir.mkdir(parents=True, exist_ok=True)
+    metrics_path, ckpt_path = out_dir / "metrics.jsonl", out_dir / "checkpoint.pt"
+    n_clients = 1 if algorithm.pooled else len(users)
+    client_of = (lambda u: 0) if algorithm.pooled else (lambda u: u)
+
+    start = 0
+    if resume and ckpt_path.exists():
+        ck = torch.load(ckpt_path, weights_only=False)
+        start, server_state, payloads, reference = ck["round"], ck["server_state"], ck["payloads"], ck["reference"]
+        transport.restore(ck["clients"])
+        torch.set_rng_state(ck["torch_rng"])
+        kept = [ln for ln in metrics_path.read_text().splitlines() if json.loads(ln)["round"] <= start]
+        atomic_write(metrics_path, lambda p: Path(p).write_text("".join(ln + "\n" for ln in kept)))
+    else:
+        torch.manual_seed(seed)
+        reference = transport.init()  # each client's initial shared tensors: names and shapes to expect
+        server_state, payloads = algorithm.server_init(reference)
+        metrics_path.write_text("")
+
+    total_up = sum(json.loads(ln).get("bytes_up", 0) for ln in metrics_path.read_text().splitlines())
+    for rnd in range(start, train.rounds):
+        t0 = time.time()
+        replies = transport.train({c: payloads[c] for c in range(n_clients)})
+        uploads, client_metrics = {}, {}
+        for c in range(n_clients):
+            reply = replies.get(c, "no reply")
+            reason = reply if isinstance(reply, str) else algorithm.check_upload(reply[0], reference[c])
+            down = tensor_bytes(payloads[c])
+            if reason:
+                log.warning("round %d: client %d left out of the aggregate: %s", rnd + 1, c, reason)
+                client_metrics[c] = {"failed": reason, "bytes_up": 0, "bytes_down": down}
+                continue
+            uploads[c] = reply[0]
+            client_metrics[c] = {**reply[1], "bytes_up": tensor_bytes(reply[0]), "bytes_down": down}
+        if not uploads:
+            raise RuntimeError(f"round {rnd + 1}: no client replied with a valid upload")
+        server_state, payloads = algorithm.server_round(server_state, uploads)
+        if rnd + 1 == train.rounds:  # the clients take the final payload (FDLoRA fuses here)
+            transport.finish({c: payloads[c] for c in range(n_clients)})
+            payloads = {c: {} for c in range(n_clients)}
+        evaluation = {}
+        if (rnd + 1) % train.eval_every == 0 or rnd + 1 == train.rounds:
+            evaluation = transport.evaluate(payloads)
+        lines = []
+        for u, name in enumerate(users):
+            row = {"round": rnd + 1, "iteration": (rnd + 1) * train.local_steps, "user": name,
+                   **client_metrics[client_of(u)]}
+            if algorithm.pooled:
+                row["bytes_up"] = row["bytes_down"] = 0
+            row.update(evaluation.get(name, {}))
+            lines.append(row)
+        total_up += sum(r["bytes_up"] for r in lines)
+        with open(metrics_path, "a") as fh:
+            fh.writelines(json.dumps(r) + "\n" for r in lines)
+        ck = {"round": rnd + 1, "server_state": server_state, "payloads": payloads, "reference": reference,
+              "clients": transport.snapshot(), "torch_rng": torch.get_rng_state()}
+        atomic_write(ckpt_path, lambda p: torch.save(ck, p))
+        if progress:
+            losses = [r["train_loss"] for r in lines if "train_loss" in r]
+            progress({"round": rnd + 1, "rounds": train.rounds, "seconds": time.time() - t0,
+                      "train_loss": sum(losses) / max(1, len(losses)),
+                      "test_ppl": [r.get("test_ppl") for r in lines]})
+    last = [json.loads(ln) for ln in metrics_path.read_text().splitlines()][-len(users):]
+    per_user = {r["user"]: {k: r[k] for k in ("valid_ppl", "test_ppl", "gates") if k in r} for r in last}
+    return finish_run(out_dir, algorithm, users, per_user, total_up, train.rounds)
+
+
+def finish_run(out_dir: Path, algorithm: Algorithm, users: list[str], per_user: dict, bytes_up: int,
+               rounds: int) -> dict:
+    tests = [per_user[u]["test_ppl"] for u in users]
+    result = {"method": algorithm.name, "rounds": rounds, "per_user": per_user,
+              "mean_test_ppl": sum(tests) / len(tests), "bytes_up_total": bytes_up,
+              "train": asdict(algorithm.train)}
+    atomic_write(out_dir / "results.json", lambda p: Path(p).write_text(json.dumps(result, indent=2)))
+    return result
