@@ -135,18 +135,21 @@ def _set(obj, dotted: str, value, prefix: str = "") -> None:
     setattr(obj, head, value)
 
 
-def load_config(path: str | None = None, overrides: list[str] = ()) -> RunConfig:
+def load_config(path: str | None = None, overrides: list[str] = (), text: str | None = None) -> RunConfig:
+    """A validated RunConfig from a YAML file (or YAML ``text``, e.g. sent to a Flower device)."""
     cfg = RunConfig()
-    if path:
-        p = Path(path)
-        if not p.exists():
-            raise ConfigError(f"config file {path} does not exist")
+    if path or text is not None:
+        if text is None:
+            if not Path(path).exists():
+                raise ConfigError(f"config file {path} does not exist")
+            text = Path(path).read_text()
+        where = f"config file {path}" if path else "config text"
         try:
-            raw = yaml.safe_load(p.read_text()) or {}
+            raw = yaml.safe_load(text) or {}
         except yaml.YAMLError as err:
-            raise ConfigError(f"config file {path} is not valid YAML ({str(err).splitlines()[0]})") from None
+            raise ConfigError(f"{where} is not valid YAML ({str(err).splitlines()[0]})") from None
         if not isinstance(raw, dict):
-            raise ConfigError(f"config file {path} must hold a mapping of keys")
+            raise ConfigError(f"{where} must hold a mapping of keys")
         for k, v in raw.items():
             _set(cfg, k, v)
     for item in overrides:

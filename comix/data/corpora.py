@@ -114,29 +114,33 @@ ONLINE = {"ag_news": ag_news, "wiki40b": wiki40b, "slimpajama": slimpajama, "com
 
 
 # -- user data ----------------------------------------------------------------------------------
+def user_folder(folder: str | Path) -> list[str]:
+    """One user's documents: every ``.txt`` file is one document; a ``.jsonl`` file holds one
+    ``{"text": ...}`` document per line."""
+    folder = Path(folder)
+    docs = []
+    for f in sorted(folder.rglob("*")):
+        if f.suffix == ".txt":
+            docs.append(f.read_text(encoding="utf-8"))
+        elif f.suffix == ".jsonl":
+            for i, line in enumerate(f.read_text(encoding="utf-8").splitlines()):
+                if line.strip():
+                    try:
+                        docs.append(json.loads(line)["text"])
+                    except (json.JSONDecodeError, KeyError, TypeError):
+                        raise ValueError(f"{f}:{i + 1}: expected a JSON object with a 'text' field") from None
+    docs = [d for d in docs if d.strip()]
+    if not docs:
+        raise ValueError(f"user directory {folder} holds no text (.txt or .jsonl)")
+    return docs
+
+
 def user_dirs(root: str | Path) -> Corpus:
-    """``root/<client>/*.txt|*.jsonl`` -> {client: documents}. A .txt file is one document; a
-    .jsonl file holds one ``{"text": ...}`` document per line."""
+    """``root/<client>/*.txt|*.jsonl`` -> {client: documents} (see ``user_folder``)."""
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"user data directory {root} does not exist")
-    out: Corpus = {}
-    for client in sorted(p for p in root.iterdir() if p.is_dir()):
-        docs = []
-        for f in sorted(client.rglob("*")):
-            if f.suffix == ".txt":
-                docs.append(f.read_text(encoding="utf-8"))
-            elif f.suffix == ".jsonl":
-                for i, line in enumerate(f.read_text(encoding="utf-8").splitlines()):
-                    if line.strip():
-                        try:
-                            docs.append(json.loads(line)["text"])
-                        except (json.JSONDecodeError, KeyError, TypeError):
-                            raise ValueError(f"{f}:{i + 1}: expected a JSON object with a 'text' field") from None
-        docs = [d for d in docs if d.strip()]
-        if not docs:
-            raise ValueError(f"user directory {client} holds no text (.txt or .jsonl)")
-        out[client.name] = docs
+    out: Corpus = {client.name: user_folder(client) for client in sorted(p for p in root.iterdir() if p.is_dir())}
     if not out:
         raise ValueError(f"user data directory {root} has no client sub-directories")
     return out

@@ -1,0 +1,129 @@
+"""The device side of the Flower engine: a ClientApp answering the server loop's requests.
+
+Node config (``flower-supernode --node-config``): ``client-id`` (this device's index in the
+run), ``data`` (a directory holding this user's ``.txt``/``.jsonl`` files, or a corpus: a
+built-in name or a directory of user folders, with ``user`` naming the folder) and
+``state-dir`` (where private state persists). Every message starts a fresh process, so the
+device rebuilds base model (from the safetensors cache), data (token cache) and algorithm from
+the run description the server sends, and keeps its private state in files keyed by client id
+and round: a train message for round r starts from the state after round r - 1, so a round the
+server re-sends after a restart is replayed, never applied twice, and a restarted device
+continues where it stopped. Only the algorithm's upload leaves this process.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from pathlib import Path
+
+import torch
+from flwr.app import Context, Message, RecordDict
+from flwr.clientapp import ClientApp
+
+from ...algorithms import REGISTRY, ClientState, make_algorithm
+from ...compare import spec_config, split_spec
+from ...config import load_config
+from ...data import load_corpus, make_user_data
+from ...data.corpora import user_folder
+from ...models import load_base_model
+from ..device import Device, StateStore, atomic_write
+from ..inprocess import ClientModels
+from .wire import from_arrays, from_json, to_arrays, to_json
+
+app = ClientApp()
+
+
+class RoundStore(StateStore):
+    """Reads the state after round ``read``, writes the state after round ``write``; keeps the
+    previous round's file so a re-sent round starts from the right state."""
+
+    def __init__(self, directory: Path, read: int, write: int):
+        super().__init__(directory)
+        self.read, self.write = read, write
+
+    def _file(self, c: int, r: int) -> Path:
+        return self.dir / f"client{c}.round{r}.pt"
+
+    def __contains__(self, c: int) -> bool:
+        return self._file(c, self.read).exists()
+
+    def __getitem__(self, c: int) -> ClientState:
+        return torch.load(self._file(c, self.read), weights_only=False)
+
+    def __setitem__(self, c: int, state: ClientState):
+        atomic_write(self._file(c, self.write), lambda p: torch.save(state, p))
+        for old in self.dir.glob(f"client{c}.round*.pt"):
+            if int(old.stem.split("round")[1]) < self.write - 1:
+                old.unlink()
+
+
+def node_user(cfg, node: dict, client: int):
+    """This device's UserData. With ``user``: that user of the corpus ``data`` (a built-in name
+    or a directory of user folders), split exactly as the in-process engine splits it. Without:
+    ``data`` is this user's own folder (in-distribution splits only; OOD needs every user's data)."""
+    _, tok = load_base_model(cfg.model)
+    if "user" in node:
+        users = make_user_data(load_corpus(str(node["data"])), tok, cfg.data)
+        match = [u for u in users if u.name == str(node["user"])]
+        if not match:
+            raise ValueError(f"node config user={node['user']!r} is not a user of {node['data']}")
+        return match[0]
+    if cfg.data.mode != "in":
+        raise ValueError("data.mode 'ood' tests on every user's data: give the device a corpus and user=")
+    folder = Path(str(node["data"]))
+    budget = [cfg.data.train_tokens[client]] if cfg.data.train_tokens else None
+    split = dataclasses.replace(cfg.data, users=[folder.name], train_tokens=budget)
+    return make_user_data({folder.name: user_folder(folder)}, tok, split)[0]
+
+
+def device_for(msg: Message, context: Context, read: int, write: int) -> Device:
+    run = from_json(msg.content["run"])
+    node = context.node_config
+    client = int(node["client-id"])
+    cfg = load_config(text=run["config"])
+    name = split_spec(run["method"])[0]
+    mcfg = spec_config(cfg, run["method"])
+    torch.set_num_threads(int(node.get("threads", 1)))
+    algo = make_algorithm(name, mcfg.lora, mcfg.train, run["n_clients"], **mcfg.options(name))
+    if REGISTRY[name][0].pooled or not algo.trains:
+        raise ValueError(f"method {name} does not run on devices")
+    base, _ = load_base_model(cfg.model)
+    key = hashlib.sha1(f"{run['config']}|{run['method']}|{run['seed']}".encode()).hexdigest()[:12]
+    store = RoundStore(Path(str(node.get("state-dir", "comix-device-state"))) / key, read, write)
+    return Device(algo, ClientModels(base, algo).for_client(client), node_user(cfg, node, client), client,
+                  run["seed"], store)
+
+
+def _round(msg: Message) -> int:
+    return int(msg.content["round"]["round"])
+
+
+@app.query("init")
+def init(msg: Message, context: Context) -> Message:
+    device = device_for(msg, context, 0, 0)
+    shared = device.init()
+    info = {"client": device.client, "user": device.data.name}
+    return Message(RecordDict({"shared": to_arrays(shared), "info": to_json(info)}), reply_to=msg)
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    r = _round(msg)
+    device = device_for(msg, context, r - 1, r)
+    upload, metrics = device.train(from_arrays(msg.content["payload"]))
+    return Message(RecordDict({"upload": to_arrays(upload), "metrics": to_json(metrics)}), reply_to=msg)
+
+
+@app.train("finish")
+def finish(msg: Message, context: Context) -> Message:
+    r = _round(msg)
+    device_for(msg, context, r, r).finish(from_arrays(msg.content["payload"]))
+    return Message(RecordDict({"info": to_json({"finished": r})}), reply_to=msg)
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    r = _round(msg)
+    device = device_for(msg, context, r, r)
+    metrics = device.evaluate(from_arrays(msg.content["payload"]), device.data)
+    return Message(RecordDict({"metrics": to_json({"user": device.data.name, **metrics})}), reply_to=msg)
