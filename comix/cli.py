@@ -5,6 +5,7 @@
   comix compare [CONFIG] --methods M.. --seeds S..   a resumable grid with tables and curves
   comix ppl [--model M] [--corpus C ...] pretrained perplexity on the built-in test splits
   comix data [CORPUS] [key=value ...]    token counts per user and split (CoMiGS Table 4)
+  comix flower-demo | flower-certs | flower-key   the Flower engine (see docs/flower.md)
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def results_table(results: list[dict], users: list[str]) -> str:
     head = "| method | " + " | ".join(users) + " | mean |"
     rows = [head, "|" + "---|" * (len(users) + 2)]
     for r in results:
-        cells = [f"{r['per_user'][u]['test_ppl']:.2f}" for u in users]
+        cells = [f"{r['per_user'][u]['test_ppl']:.2f}" if u in r["per_user"] else "-" for u in users]
         rows.append(f"| {r['method']} | " + " | ".join(cells) + f" | {r['mean_test_ppl']:.2f} |")
     return "\n".join(rows)
 
@@ -151,6 +152,64 @@ def cmd_compare(args) -> int:
     return 0
 
 
+DEMO_CONFIG = """# written by `comix flower-demo`: a tiny CoMiGS job on the built-in multilingual corpus
+model: {model}
+corpus: multilingual
+methods: [{method}]
+seed: 42
+data: {{valid_tokens: 2048, test_tokens: 1024}}
+train: {{rounds: {rounds}, local_steps: 2, batch_size: 2, seq_len: 64, tau: 2, router_steps: 1, eval_every: 1}}
+"""
+
+
+def cmd_flower_demo(args) -> int:
+    """SuperLink + N SuperNodes on 127.0.0.1 (TLS + SuperNode auth unless --insecure), a tiny
+    CoMiGS run through `flwr run`, then every process stopped."""
+    import tempfile
+
+    from .engines.flower.deploy import Federation
+
+    console = _console()
+    users = ["de", "fr", "it", "nl"][:args.clients]
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="comix-flower-"))
+    work.mkdir(parents=True, exist_ok=True)
+    config = work / "demo.yaml"
+    config.write_text(DEMO_CONFIG.format(model=args.model, method=args.method, rounds=args.rounds))
+    t0 = time.time()
+    with Federation(work, insecure=args.insecure) as fed:
+        fed.start_superlink()
+        console.print(f"SuperLink on {fed.address} ({'INSECURE' if args.insecure else 'TLS + SuperNode auth'}), "
+                      f"logs in {work}")
+        for c, user in enumerate(users):
+            fed.start_supernode(c, {"data": "multilingual", "user": user, "state-dir": str(work / "device-state")})
+        console.print(f"{len(users)} SuperNodes started; running {args.method} for {args.rounds} rounds ...")
+        res = fed.run({"config": str(config), "method": args.method, "run-dir": str(work / "run"),
+                       "clients": len(users)}, timeout=args.timeout)
+    out = work / "run" / args.method / "results.json"
+    if res.returncode != 0 or not out.exists():
+        print(f"comix: error: the Flower run failed (see {work}/*.log)\n{res.stdout[-2000:]}{res.stderr[-2000:]}",
+              file=sys.stderr)
+        return 1
+    result = json.loads(out.read_text())
+    print(results_table([result], users))
+    console.print(f"done in {time.time() - t0:.0f} s; every process stopped; metrics in {out.parent}")
+    return 0
+
+
+def cmd_flower_certs(args) -> int:
+    from .engines.flower.deploy import make_certificates
+    c = make_certificates(args.directory, hosts=tuple(args.host))
+    print(f"CA certificate (copy to every device): {c.ca}\nSuperLink certificate: {c.cert}\nSuperLink key: {c.key}")
+    return 0
+
+
+def cmd_flower_key(args) -> int:
+    from .engines.flower.deploy import make_node_key
+    private, public = make_node_key(args.directory, args.name)
+    print(f"private key (stays on the device): {private}\npublic key (register on the server): {public}")
+    return 0
+
+
 def cmd_ppl(args) -> int:
     from .data import SplitConfig, builtin, make_user_data
     from .eval import perplexity
@@ -195,6 +254,20 @@ def main(argv=None) -> int:
     c.add_argument("--methods", nargs="+", metavar="SPEC", help="method specs, e.g. local comigs-1g1s hetlora:reg=0.05")
     c.add_argument("--seeds", nargs="+", type=int, help="e.g. 42 45 47")
     c.add_argument("--resume", metavar="RUN_DIR", help="finish an interrupted grid (finished runs are skipped)")
+    f = sub.add_parser("flower-demo", help="loopback Flower federation (TLS + auth), a tiny CoMiGS run, all stopped")
+    f.add_argument("--clients", type=int, default=3, choices=(1, 2, 3, 4))
+    f.add_argument("--method", default="comigs-1g1s")
+    f.add_argument("--model", default="tiny-llama")
+    f.add_argument("--rounds", type=int, default=2)
+    f.add_argument("--workdir", help="where certificates, keys, logs and results go (default: a temp dir)")
+    f.add_argument("--insecure", action="store_true", help="no TLS, no SuperNode auth (prints a warning)")
+    f.add_argument("--timeout", type=float, default=1200)
+    fc = sub.add_parser("flower-certs", help="a CA and a SuperLink TLS certificate")
+    fc.add_argument("directory")
+    fc.add_argument("--host", nargs="+", default=["127.0.0.1", "localhost"], help="the SuperLink's addresses")
+    fk = sub.add_parser("flower-key", help="an ECDSA key pair for one SuperNode")
+    fk.add_argument("directory")
+    fk.add_argument("name")
     d = sub.add_parser("data", help="token counts per user and split")
     d.add_argument("corpus", nargs="?", default="multilingual")
     d.add_argument("overrides", nargs="*")
@@ -202,7 +275,9 @@ def main(argv=None) -> int:
     if args.cmd in ("run", "compare") and args.config and "=" in args.config:  # `comix run key=value` (no file)
         args.overrides, args.config = [args.config, *args.overrides], None
     try:
-        return {"run": cmd_run, "compare": cmd_compare, "ppl": cmd_ppl, "data": cmd_data}[args.cmd](args)
+        return {"run": cmd_run, "compare": cmd_compare, "ppl": cmd_ppl, "data": cmd_data,
+                "flower-demo": cmd_flower_demo, "flower-certs": cmd_flower_certs,
+                "flower-key": cmd_flower_key}[args.cmd](args)
     except (ValueError, FileNotFoundError) as err:
         print(f"comix: error: {err}", file=sys.stderr)
         return 2

@@ -87,7 +87,8 @@ def summary_tables(results: dict[str, dict[int, dict]], users: list[str]) -> str
         lines.append(f"| {spec} | {_mean_std([r['mean_test_ppl'] for r in by_seed.values()])} | {len(by_seed)} |")
     lines += ["", "| method | " + " | ".join(users) + " |", "|" + "---|" * (len(users) + 1)]
     for spec, by_seed in results.items():
-        cells = [_mean_std([r["per_user"][u]["test_ppl"] for r in by_seed.values()]) for u in users]
+        cells = [_mean_std(xs) if (xs := [r["per_user"][u]["test_ppl"] for r in by_seed.values()
+                                           if u in r["per_user"]]) else "-" for u in users]
         lines.append(f"| {spec} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

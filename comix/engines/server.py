@@ -107,15 +107,21 @@ def serve(algorithm: Algorithm, transport: Transport, users: list[str], out_dir:
                       "train_loss": sum(losses) / max(1, len(losses)),
                       "test_ppl": [r.get("test_ppl") for r in lines]})
     last = [json.loads(ln) for ln in metrics_path.read_text().splitlines()][-len(users):]
-    per_user = {r["user"]: {k: r[k] for k in ("valid_ppl", "test_ppl", "gates") if k in r} for r in last}
+    per_user = {r["user"]: {k: r[k] for k in ("valid_ppl", "test_ppl", "gates") if k in r}
+                for r in last if "test_ppl" in r}
     return finish_run(out_dir, algorithm, users, per_user, total_up, train.rounds)
 
 
 def finish_run(out_dir: Path, algorithm: Algorithm, users: list[str], per_user: dict, bytes_up: int,
                rounds: int) -> dict:
-    tests = [per_user[u]["test_ppl"] for u in users]
+    """results.json; a user whose device could not report its final evaluation is listed under
+    ``missing`` and left out of the mean (it is never silently counted)."""
+    missing = [u for u in users if "test_ppl" not in per_user.get(u, {})]
+    tests = [per_user[u]["test_ppl"] for u in users if u not in missing]
+    if not tests:
+        raise RuntimeError("no user reported a final test perplexity")
     result = {"method": algorithm.name, "rounds": rounds, "per_user": per_user,
               "mean_test_ppl": sum(tests) / len(tests), "bytes_up_total": bytes_up,
-              "train": asdict(algorithm.train)}
+              "train": asdict(algorithm.train), **({"missing": missing} if missing else {})}
     atomic_write(out_dir / "results.json", lambda p: Path(p).write_text(json.dumps(result, indent=2)))
     return result

@@ -34,8 +34,9 @@ app = ClientApp()
 
 
 class RoundStore(StateStore):
-    """Reads the state after round ``read``, writes the state after round ``write``; keeps the
-    previous round's file so a re-sent round starts from the right state."""
+    """Reads the state after round ``read`` (or the newest before it), writes the state after
+    round ``write``; keeps the previous round's file so a re-sent round starts from the right
+    state."""
 
     def __init__(self, directory: Path, read: int, write: int):
         super().__init__(directory)
@@ -44,11 +45,18 @@ class RoundStore(StateStore):
     def _file(self, c: int, r: int) -> Path:
         return self.dir / f"client{c}.round{r}.pt"
 
+    def _latest(self, c: int) -> Path | None:
+        """The newest state at or before round ``read`` (a device that missed rounds while it
+        was down continues from the last one it finished)."""
+        rounds = [int(f.stem.split("round")[1]) for f in self.dir.glob(f"client{c}.round*.pt")] if self.dir.exists() else []
+        done = [r for r in rounds if r <= self.read]
+        return self._file(c, max(done)) if done else None
+
     def __contains__(self, c: int) -> bool:
-        return self._file(c, self.read).exists()
+        return self._latest(c) is not None
 
     def __getitem__(self, c: int) -> ClientState:
-        return torch.load(self._file(c, self.read), weights_only=False)
+        return torch.load(self._latest(c), weights_only=False)
 
     def __setitem__(self, c: int, state: ClientState):
         atomic_write(self._file(c, self.write), lambda p: torch.save(state, p))

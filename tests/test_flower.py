@@ -1,0 +1,120 @@
+"""Flower engine on loopback: every server on 127.0.0.1, every process stopped by PID.
+Slow (each message starts a client process): marked ``flower``; ``-m "not flower"`` skips them."""
+import json
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("flwr")
+from comix.cli import main  # noqa: E402
+from comix.engines.flower.deploy import Federation  # noqa: E402
+from test_cli import _user_dirs  # noqa: E402
+
+pytestmark = pytest.mark.flower
+USERS = ["alice", "bob", "carol"]
+FAULTY_APP = Path(__file__).parent / "flower_faulty"
+
+
+def _config(tmp_path, data, rounds=2, method="comigs-1g1s"):
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(f"""model: tiny-llama
+corpus: {data}
+methods: [{method}]
+seed: 42
+data: {{valid_tokens: 512, test_tokens: 256}}
+train: {{rounds: {rounds}, local_steps: 2, batch_size: 2, seq_len: 32, tau: 2, router_steps: 1, eval_every: 1,
+        eval_splits: [valid, test]}}
+""")
+    return cfg
+
+
+def _rows(path):
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def _start(fed, data, state, extra=None):
+    fed.start_superlink()
+    for c, u in enumerate(USERS):
+        fed.start_supernode(c, {"data": str(data), "user": u, "state-dir": str(state), **(extra or {}).get(c, {})})
+
+
+def test_tls_auth_deployment_equals_in_process(tmp_path):
+    data = _user_dirs(tmp_path / "data")
+    cfg = _config(tmp_path, data)
+    assert main(["run", str(cfg), f"run_dir={tmp_path / 'inproc'}"]) == 0
+    with Federation(tmp_path / "fed") as fed:
+        _start(fed, data, tmp_path / "state")
+        res = fed.run({"config": str(cfg), "run-dir": str(tmp_path / "flower"), "clients": 3}, timeout=900)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert "--insecure" not in " ".join(fed.procs["superlink"].args)
+        pids = [p.pid for p in fed.procs.values()]
+    for pid in pids:  # every process we started is gone
+        assert subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode != 0
+    a = _rows(tmp_path / "flower" / "comigs-1g1s" / "metrics.jsonl")
+    b = _rows(tmp_path / "inproc" / "comigs-1g1s" / "metrics.jsonl")
+    assert len(a) == len(b) == 6
+    for x, y in zip(a, b):
+        assert (x["user"], x["bytes_up"], x["bytes_down"]) == (y["user"], y["bytes_up"], y["bytes_down"])
+        for k in ("train_loss", "valid_ppl", "test_ppl"):
+            assert x[k] == pytest.approx(y[k], rel=1e-4), k
+    # the devices kept their private state (specialists, router, optimizer) on disk, keyed by client id
+    states = sorted(p.name for p in (tmp_path / "state").rglob("client*.pt"))
+    assert {s.split(".")[0] for s in states} == {"client0", "client1", "client2"}
+
+
+def test_unregistered_node_and_node_without_ca_are_refused(tmp_path):
+    with Federation(tmp_path / "fed") as fed:
+        fed.start_superlink()
+        fed.start_supernode(0, {"data": "x"}, register=False)   # key never registered
+        fed.start_supernode(1, {"data": "x"}, ca=False)         # cannot verify the SuperLink's certificate
+        time.sleep(20)
+        assert fed.nodes() == [] or all(n["status"] != "online" for n in fed.nodes())
+        logs = fed.log_of("supernode0") + fed.log_of("supernode1")
+    assert "CERTIFICATE_VERIFY_FAILED" in logs or "certificate verify failed" in logs.lower()
+
+
+def test_faulty_uploads_are_rejected_not_aggregated(tmp_path):
+    data = _user_dirs(tmp_path / "data")
+    cfg = _config(tmp_path, data, method="fedavg")
+    with Federation(tmp_path / "fed") as fed:
+        _start(fed, data, tmp_path / "state", {1: {"fault": "nan"}, 2: {"fault": "extra"}})
+        res = fed.run({"config": str(cfg), "method": "fedavg", "run-dir": str(tmp_path / "flower"), "clients": 3},
+                      app=FAULTY_APP, timeout=900)
+        assert res.returncode == 0, res.stdout + res.stderr
+    rows = _rows(tmp_path / "flower" / "fedavg" / "metrics.jsonl")
+    r1 = {r["user"]: r for r in rows if r["round"] == 1}
+    assert "NaN" in r1["bob"]["failed"] and "undeclared" in r1["carol"]["failed"] and "failed" not in r1["alice"]
+    assert all("failed" not in r for r in rows if r["round"] == 2)
+    # round 1's aggregate was alice's upload alone: nothing non-finite reached anyone
+    assert all(r["test_ppl"] == r["test_ppl"] for r in rows)
+
+
+def test_killed_device_costs_its_round_and_comes_back(tmp_path):
+    data = _user_dirs(tmp_path / "data")
+    cfg = _config(tmp_path, data, rounds=4, method="comigs-1g1s")
+    metrics = tmp_path / "flower" / "comigs-1g1s" / "metrics.jsonl"
+    with Federation(tmp_path / "fed") as fed:
+        _start(fed, data, tmp_path / "state")
+        out = {}
+        runner = threading.Thread(target=lambda: out.update(res=fed.run(
+            {"config": str(cfg), "run-dir": str(tmp_path / "flower"), "clients": 3, "timeout": 120.0}, timeout=1500)))
+        runner.start()
+        deadline = time.time() + 600
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 3):  # round 1 done
+            assert time.time() < deadline and runner.is_alive(), fed.log_of("superlink")[-3000:]
+            time.sleep(1)
+        fed.stop("supernode2")                       # the device dies during round 2
+        time.sleep(5)
+        fed.start_supernode(2, {"data": str(data), "user": "carol", "state-dir": str(tmp_path / "state")})
+        runner.join()
+        assert out["res"].returncode == 0, out["res"].stdout + out["res"].stderr
+    rows = _rows(metrics)
+    carol = {r["round"]: r for r in rows if r["user"] == "carol"}
+    failed = [r for r, row in carol.items() if "failed" in row]
+    assert failed and 1 not in failed and 4 not in failed   # lost a round, then came back
+    assert all("train_loss" in carol[r] for r in carol if r not in failed)
+    result = json.loads((metrics.parent / "results.json").read_text())
+    assert set(result["per_user"]) == set(USERS) and "missing" not in result
