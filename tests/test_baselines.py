@@ -4,30 +4,16 @@ import json
 import pytest
 import torch
 
-from comix.algorithms import ClientState, TrainConfig, make_algorithm
+from comix.algorithms import ClientState, make_algorithm
 from comix.algorithms import comigs as comigs_module
 from comix.algorithms.base import load_adapters, lm_loss
 from comix.algorithms.fdlora import set_fusion
 from comix.algorithms.hetero import lora_pairs
-from comix.data import SplitConfig, make_user_data, sample_batch
+from comix.data import sample_batch
 from comix.engines import run_method
 from comix.engines.inprocess import ClientModels, fresh_adapters
-from comix.models import LoRAConfig, load_base_model, param_role
-from test_algorithms import _client
-
-
-@pytest.fixture(scope="module")
-def setup():
-    model, tok = load_base_model("tiny-llama")
-    corpus = {c: [f"{c} text {i} " * 30 + "x" * (i % 7) for i in range(20)] for c in ("a", "b", "c")}
-    users = make_user_data(corpus, tok, SplitConfig(valid_tokens=600, test_tokens=300))
-    return model, users
-
-
-def _train(**kw):
-    base = dict(rounds=2, local_steps=3, batch_size=2, seq_len=16, tau=2, router_steps=2, eval_every=1,
-                eval_batch_size=4)
-    return TrainConfig(**{**base, **kw})
+from comix.models import LoRAConfig, param_role
+from test_algorithms import _client, _train, setup  # noqa: F401 (setup: the shared tiny fixture)
 
 
 def _algo(name, n=3, **options):
