@@ -63,6 +63,15 @@ def run_spec(cfg, spec: str, seed: int, out: Path, model, users, console) -> dic
     n_clients = 1 if REGISTRY[name][0].pooled else len(users)
     algo = make_algorithm(name, mcfg.lora, mcfg.train, n_clients, **mcfg.options(name))
     algo.name = spec
+    if cfg.engine == "flower-sim" and algo.trains and not algo.pooled:
+        from .config import to_dict
+        from .engines.flower.simulation import simulate
+        from .engines.inprocess import atomic_write
+        recipe = out.parent / f".{out.name}.flower-sim.yaml"
+        text = yaml.safe_dump(to_dict(cfg), sort_keys=False)
+        atomic_write(recipe, lambda p: Path(p).write_text(text))
+        console.print(f"{spec}: Flower simulation (Ray on 127.0.0.1) with {n_clients} virtual devices")
+        return simulate(recipe, spec, out.parent, n_clients, seed=seed, cpus=cfg.threads or None)
     label = spec if len(cfg.seeds) <= 1 else f"{spec} seed {seed}"
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"),
                   TimeElapsedColumn(), TimeRemainingColumn(), console=console) as bar:

@@ -63,6 +63,7 @@ class RunConfig:
     run_dir: str = ""                  # default: runs/<corpus>-<timestamp>
     threads: int = 0                   # torch threads; 0 = torch's default
     offload: bool = False              # keep idle clients' states on disk
+    engine: str = "inprocess"          # inprocess | flower-sim (Flower's Ray simulation, comix[flower-sim])
     data: SplitConfig = field(default_factory=_main_job_data)
     train: TrainConfig = field(default_factory=_main_job_train)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
@@ -81,6 +82,8 @@ class RunConfig:
         for m in self.methods:
             if m.split(":")[0] not in METHODS:
                 raise ConfigError(f"methods: unknown method {m!r} (allowed: {', '.join(METHODS)})")
+        if self.engine not in ("inprocess", "flower-sim"):
+            raise ConfigError(f"engine must be inprocess or flower-sim, got {self.engine!r}")
         t = self.train
         for key in ("rounds", "local_steps", "batch_size", "seq_len", "tau", "eval_every", "eval_batch_size"):
             if getattr(t, key) < 1:

@@ -118,3 +118,16 @@ def test_killed_device_costs_its_round_and_comes_back(tmp_path):
     assert all("train_loss" in carol[r] for r in carol if r not in failed)
     result = json.loads((metrics.parent / "results.json").read_text())
     assert set(result["per_user"]) == set(USERS) and "missing" not in result
+
+
+def test_ray_simulation_equals_in_process(tmp_path):
+    pytest.importorskip("ray")
+    data = _user_dirs(tmp_path / "data")
+    cfg = _config(tmp_path, data)
+    assert main(["run", str(cfg), f"run_dir={tmp_path / 'inproc'}"]) == 0
+    assert main(["run", str(cfg), f"run_dir={tmp_path / 'sim'}", "engine=flower-sim", "threads=2"]) == 0
+    a = _rows(tmp_path / "sim" / "comigs-1g1s" / "metrics.jsonl")
+    b = _rows(tmp_path / "inproc" / "comigs-1g1s" / "metrics.jsonl")
+    assert [(x["user"], x["bytes_up"]) for x in a] == [(y["user"], y["bytes_up"]) for y in b]
+    for x, y in zip(a, b):
+        assert x["test_ppl"] == pytest.approx(y["test_ppl"], rel=1e-4)

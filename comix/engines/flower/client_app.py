@@ -70,6 +70,8 @@ def node_user(cfg, node: dict, client: int):
     or a directory of user folders), split exactly as the in-process engine splits it. Without:
     ``data`` is this user's own folder (in-distribution splits only; OOD needs every user's data)."""
     _, tok = load_base_model(cfg.model)
+    if "data" not in node:  # a simulated device: user number ``client`` of the recipe's corpus
+        return make_user_data(load_corpus(cfg.corpus), tok, cfg.data)[client]
     if "user" in node:
         users = make_user_data(load_corpus(str(node["data"])), tok, cfg.data)
         match = [u for u in users if u.name == str(node["user"])]
@@ -87,7 +89,7 @@ def node_user(cfg, node: dict, client: int):
 def device_for(msg: Message, context: Context, read: int, write: int) -> Device:
     run = from_json(msg.content["run"])
     node = context.node_config
-    client = int(node["client-id"])
+    client = int(node["client-id"] if "client-id" in node else node["partition-id"])  # partition-id: simulation
     cfg = load_config(text=run["config"])
     name = split_spec(run["method"])[0]
     mcfg = spec_config(cfg, run["method"])
@@ -97,7 +99,8 @@ def device_for(msg: Message, context: Context, read: int, write: int) -> Device:
         raise ValueError(f"method {name} does not run on devices")
     base, _ = load_base_model(cfg.model)
     key = hashlib.sha1(f"{run['config']}|{run['method']}|{run['seed']}".encode()).hexdigest()[:12]
-    store = RoundStore(Path(str(node.get("state-dir", "comix-device-state"))) / key, read, write)
+    state_dir = node.get("state-dir") or run.get("state_dir") or "comix-device-state"
+    store = RoundStore(Path(str(state_dir)) / key, read, write)
     return Device(algo, ClientModels(base, algo).for_client(client), node_user(cfg, node, client), client,
                   run["seed"], store)
 

@@ -10,7 +10,9 @@ found again the same way. Replies that are errors, late, or fail the algorithm's
 left out of that round's aggregate (``serve``)."""
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -120,15 +122,21 @@ class FlowerTransport:
         self.round = snapshot["round"]
 
 
+RUN_ENV = "COMIX_FLOWER_RUN"  # the run config of a simulation (run_simulation takes none)
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    rc = context.run_config
+    rc = dict(context.run_config)
+    if os.environ.get(RUN_ENV):
+        rc.update(json.loads(os.environ[RUN_ENV]))
     cfg = load_config(str(rc["config"]))
     spec = str(rc["method"])
     seed = int(rc.get("seed", -1))
     seed = cfg.seed if seed < 0 else seed
     n = int(rc["clients"])
-    run = {"config": Path(str(rc["config"])).read_text(), "method": spec, "seed": seed, "n_clients": n}
+    run = {"config": Path(str(rc["config"])).read_text(), "method": spec, "seed": seed, "n_clients": n,
+           "state_dir": rc.get("state-dir")}
     transport = FlowerTransport(grid, run, n, float(rc.get("timeout", 600)))
     users = transport.discover(float(rc.get("wait", 120)))
     name = split_spec(spec)[0]
