@@ -105,7 +105,7 @@ def curves(run_dir: Path, specs: list[str], seeds: list[int]) -> dict[str, dict[
             for line in f.read_text().splitlines():
                 row = json.loads(line)
                 if "test_ppl" in row:
-                    it = row["iteration"]
+                    it = row.get("iteration", row["round"])  # runs older than the "iteration" field: rounds
                     points.setdefault((row["user"], it), []).append(row["test_ppl"])
         for (user, it), v in sorted(points.items(), key=lambda kv: kv[0][1]):
             out.setdefault(spec, {}).setdefault(user, []).append((it, statistics.fmean(v)))
