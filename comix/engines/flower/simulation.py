@@ -2,7 +2,11 @@
 and ClientApp as a deployment (``comix run ... engine=flower-sim``; ``pip install comix[flower-sim]``).
 
 Every virtual SuperNode is device ``partition-id`` and reads its user from the recipe's corpus.
-Ray is pinned to 127.0.0.1 with no dashboard, so nothing listens beyond loopback."""
+Ray is started with node address 127.0.0.1 and no dashboard. CAUTION, measured with the Ray
+2.55.1 that flwr 1.41 pins: its gcs_server, raylet and worker gRPC servers still listen on all
+interfaces and its runtime-env agent on the machine's address (Ray fixed this upstream later,
+ray-project/ray#59852); run simulations behind a firewall, or use the deployment engine on
+loopback (TLS + SuperNode auth), which listens on 127.0.0.1 only."""
 from __future__ import annotations
 
 import json
