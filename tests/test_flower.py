@@ -131,3 +131,7 @@ def test_ray_simulation_equals_in_process(tmp_path):
     assert [(x["user"], x["bytes_up"]) for x in a] == [(y["user"], y["bytes_up"]) for y in b]
     for x, y in zip(a, b):
         assert x["test_ppl"] == pytest.approx(y["test_ppl"], rel=1e-4)
+    # Ray ran in a network namespace of its own whose only interface is loopback
+    import os
+    net = json.loads((tmp_path / "sim" / "network.json").read_text())
+    assert net["interfaces"] == ["lo"] and net["netns"] != os.readlink("/proc/self/ns/net")

@@ -122,7 +122,7 @@ class FlowerTransport:
         self.round = snapshot["round"]
 
 
-RUN_ENV = "COMIX_FLOWER_RUN"  # the run config of a simulation (run_simulation takes none)
+RUN_ENV = "COMIX_FLOWER_RUN"  # the run config of a simulation (run_simulation takes none); see simulation.py
 
 
 @app.main()
