@@ -66,7 +66,7 @@ def run_spec(cfg, spec: str, seed: int, out: Path, model, users, console) -> dic
     if cfg.engine == "flower-sim" and algo.trains and not algo.pooled:
         from .config import to_dict
         from .engines.flower.simulation import simulate
-        from .engines.inprocess import atomic_write
+        from .engines.device import atomic_write
         recipe = out.parent / f".{out.name}.flower-sim.yaml"
         text = yaml.safe_dump(to_dict(cfg), sort_keys=False)
         atomic_write(recipe, lambda p: Path(p).write_text(text))
@@ -92,7 +92,7 @@ def run_spec(cfg, spec: str, seed: int, out: Path, model, users, console) -> dic
 def _prepare(args, default_name: str):
     """Load (or, with --resume, reload) the config; create the run directory with config.yaml."""
     from .config import load_config, to_dict
-    from .engines.inprocess import atomic_write
+    from .engines.device import atomic_write
 
     if args.resume:
         run_dir = Path(args.resume)
@@ -116,7 +116,7 @@ def _prepare(args, default_name: str):
 
 def cmd_run(args) -> int:
     from .compare import spec_dirname
-    from .engines.inprocess import atomic_write
+    from .engines.device import atomic_write
 
     console = _console()
     cfg, run_dir = _prepare(args, "")
@@ -134,7 +134,7 @@ def cmd_run(args) -> int:
 
 def cmd_compare(args) -> int:
     from .compare import collect, curves, plot_curves, references, spec_dirname, summary_tables
-    from .engines.inprocess import atomic_write
+    from .engines.device import atomic_write
 
     console = _console()
     cfg, run_dir = _prepare(args, "compare-")

@@ -124,7 +124,7 @@ def plot_curves(data: dict, path: Path, per_user: bool, refs: dict | None = None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .engines.inprocess import atomic_write
+    from .engines.device import atomic_write
 
     users = sorted({u for by_user in data.values() for u in by_user})
     panels = users if per_user else ["mean over users"]

@@ -8,7 +8,8 @@ from comix.algorithms import comigs as comigs_module
 from comix.algorithms.base import adapter_tensors, expert_params, load_adapters, router_params
 from comix.data import SplitConfig, make_user_data
 from comix.engines import run_method
-from comix.engines.inprocess import ClientModels, fresh_adapters
+from comix.engines.device import fresh_adapters
+from comix.engines.inprocess import ClientModels
 from comix.models import LoRAConfig, load_base_model, param_role
 
 
@@ -77,17 +78,24 @@ def test_upload_contains_exactly_the_declared_shared_tensors(setup, method):
             assert {n.split(".mlp.experts.")[1][0] for n in upload if ".experts." in n} == {"0", "1"}
 
 
-def test_router_step_touches_only_the_router_and_reads_validation(setup, monkeypatch):
+def _router_client(setup, monkeypatch, method, client):
+    """A client of ``method`` ready for a router step, and the list of splits its batches come from."""
     model, users = setup
-    algo = _algo("comigs-1g1s", tau=1)
-    ctx, state = _client(algo, model, users, 0)
+    algo = _algo(method, tau=1)
+    ctx, state = _client(algo, model, users, client)
     load_adapters(ctx.model, state.adapters)
     seen = []
     real = comigs_module.sample_batch
     monkeypatch.setattr(comigs_module, "sample_batch", lambda split, *a: seen.append(split) or real(split, *a))
+    state.step = 1
+    return algo, ctx, state, seen
+
+
+def test_router_step_touches_only_the_router_and_reads_validation(setup, monkeypatch):
+    users = setup[1]
+    algo, ctx, state, seen = _router_client(setup, monkeypatch, "comigs-1g1s", 0)
     before = {n: p.detach().clone() for n, p in expert_params(ctx.model)}
     routers = {n: p.detach().clone() for n, p in router_params(ctx.model)}
-    state.step = 1
     algo.after_expert_step(ctx, state, torch.Generator().manual_seed(0))
     assert len(seen) == algo.train.router_steps and all(s is users[0].valid for s in seen)
     assert all(torch.equal(p, before[n]) for n, p in expert_params(ctx.model))       # experts unchanged
@@ -97,14 +105,8 @@ def test_router_step_touches_only_the_router_and_reads_validation(setup, monkeyp
 
 
 def test_tr_variant_routes_on_training_batches(setup, monkeypatch):
-    model, users = setup
-    algo = _algo("comigs-1g1s-tr", tau=1)
-    ctx, state = _client(algo, model, users, 1)
-    load_adapters(ctx.model, state.adapters)
-    seen = []
-    real = comigs_module.sample_batch
-    monkeypatch.setattr(comigs_module, "sample_batch", lambda split, *a: seen.append(split) or real(split, *a))
-    state.step = 1
+    users = setup[1]
+    algo, ctx, state, seen = _router_client(setup, monkeypatch, "comigs-1g1s-tr", 1)
     algo.after_expert_step(ctx, state, torch.Generator())
     assert seen and all(s is users[1].train for s in seen)
 

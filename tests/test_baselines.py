@@ -11,7 +11,8 @@ from comix.algorithms.fdlora import set_fusion
 from comix.algorithms.hetero import lora_pairs
 from comix.data import sample_batch
 from comix.engines import run_method
-from comix.engines.inprocess import ClientModels, fresh_adapters
+from comix.engines.device import fresh_adapters
+from comix.engines.inprocess import ClientModels
 from comix.models import LoRAConfig, param_role
 from test_algorithms import _client, _train, setup  # noqa: F401 (setup: the shared tiny fixture)
 

@@ -18,7 +18,7 @@ from ..algorithms import Algorithm
 from ..algorithms.base import Tensors
 from ..data import UserData
 from ..models import inject_adapters
-from .device import Device, StateStore, atomic_write, evaluate, fresh_adapters  # noqa: F401 (re-exported)
+from .device import Device, StateStore, evaluate
 from .server import finish_run, serve
 
 
