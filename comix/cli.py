@@ -24,15 +24,20 @@ def _console():
 
 
 def _setup(cfg):
+    """Data and model for ``cfg``, inputs checked cheapest first: the model spec and the corpus
+    fail with one line before the model loads."""
     import torch
 
     from .data import check_seq_len, load_corpus, make_user_data, token_table
     from .models import load_base_model
+    from .models.base import check_model_spec
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    model, tok = load_base_model(cfg.model)
-    users = make_user_data(load_corpus(cfg.corpus), tok, cfg.data)
+    check_model_spec(cfg.model)
+    corpus = load_corpus(cfg.corpus)
+    model, tok = load_base_model(cfg.model, dropout=cfg.dropout)
+    users = make_user_data(corpus, tok, cfg.data)
     check_seq_len(users, cfg.train.seq_len)
     return model, tok, users, token_table(users)
 
@@ -71,7 +76,10 @@ def run_spec(cfg, spec: str, seed: int, out: Path, model, users, console) -> dic
         text = yaml.safe_dump(to_dict(cfg), sort_keys=False)
         atomic_write(recipe, lambda p: Path(p).write_text(text))
         console.print(f"{spec}: Flower simulation (Ray on 127.0.0.1) with {n_clients} virtual devices")
-        return simulate(recipe, spec, out.parent, n_clients, seed=seed, cpus=cfg.threads or None)
+        res = simulate(recipe, spec, out.parent, n_clients, seed=seed, cpus=cfg.threads or None)
+        if not cfg.keep_checkpoints:
+            (out / "checkpoint.pt").unlink(missing_ok=True)
+        return res
     label = spec if len(cfg.seeds) <= 1 else f"{spec} seed {seed}"
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"),
                   TimeElapsedColumn(), TimeRemainingColumn(), console=console) as bar:
@@ -84,13 +92,19 @@ def run_spec(cfg, spec: str, seed: int, out: Path, model, users, console) -> dic
             bar.update(task, completed=p["round"], info=info)
             bar.console.log(f"{label} {info} ({p['seconds']:.0f}s)")
 
-        res = run_method(algo, model, users, out, seed=seed, resume=True, offload=mcfg.offload, progress=progress)
+        res = run_method(algo, model, users, out, seed=seed, resume=True, offload=mcfg.offload, progress=progress,
+                         keep_checkpoints=mcfg.keep_checkpoints)
         bar.update(task, completed=bar.tasks[0].total)
     return res
 
 
+RUN_DIR: Path | None = None  # the run directory being written (named in the Ctrl-C message)
+
+
 def _prepare(args, default_name: str):
-    """Load (or, with --resume, reload) the config; create the run directory with config.yaml."""
+    """Load (or, with --resume, reload) the config and load data and model; only then create the
+    run directory with config.yaml, so a bad input leaves nothing behind."""
+    global RUN_DIR
     from .config import load_config, to_dict
     from .engines.device import atomic_write
 
@@ -98,7 +112,9 @@ def _prepare(args, default_name: str):
         run_dir = Path(args.resume)
         if not (run_dir / "config.yaml").exists():
             raise ValueError(f"--resume: {run_dir} holds no config.yaml (not a comix run directory)")
-        return load_config(str(run_dir / "config.yaml"), args.overrides), run_dir
+        cfg = load_config(str(run_dir / "config.yaml"), args.overrides)
+        RUN_DIR = run_dir
+        return (cfg, run_dir, *_setup(cfg))
     cfg = load_config(args.config, args.overrides)
     if getattr(args, "methods", None):
         cfg.methods = list(args.methods)
@@ -108,10 +124,12 @@ def _prepare(args, default_name: str):
     stamp = time.strftime("%Y%m%d-%H%M%S")
     run_dir = Path(cfg.run_dir or f"runs/{default_name}{cfg.corpus.strip('/').split('/')[-1]}-{stamp}")
     cfg.run_dir = str(run_dir)
+    loaded = _setup(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
+    RUN_DIR = run_dir
     text = yaml.safe_dump(to_dict(cfg), sort_keys=False)
     atomic_write(run_dir / "config.yaml", lambda p: Path(p).write_text(text))
-    return cfg, run_dir
+    return (cfg, run_dir, *loaded)
 
 
 def cmd_run(args) -> int:
@@ -119,8 +137,7 @@ def cmd_run(args) -> int:
     from .engines.device import atomic_write
 
     console = _console()
-    cfg, run_dir = _prepare(args, "")
-    model, _, users, table = _setup(cfg)
+    cfg, run_dir, model, _, users, table = _prepare(args, "")
     console.print(f"[bold]comix run[/] {run_dir}  model={cfg.model} corpus={cfg.corpus}\n{table}")
     results = [run_spec(cfg, spec, cfg.seed, run_dir / spec_dirname(spec), model, users, console)
                for spec in cfg.methods]
@@ -129,6 +146,8 @@ def cmd_run(args) -> int:
         f"Test perplexity per user ({cfg.model}, {cfg.corpus}, seed {cfg.seed})\n\n{md}\n"))
     atomic_write(run_dir / "results.json", lambda p: Path(p).write_text(json.dumps(results, indent=2)))
     print(md)
+    console.print(f"results: {run_dir}/results.md (per method: metrics.jsonl, results.json"
+                  f"{', adapters/' if not cfg.keep_checkpoints else ', checkpoint.pt'})")
     return 0
 
 
@@ -137,9 +156,8 @@ def cmd_compare(args) -> int:
     from .engines.device import atomic_write
 
     console = _console()
-    cfg, run_dir = _prepare(args, "compare-")
+    cfg, run_dir, model, _, users, table = _prepare(args, "compare-")
     seeds = cfg.seeds or [cfg.seed]
-    model, _, users, table = _setup(cfg)
     console.print(f"[bold]comix compare[/] {run_dir}  methods={' '.join(cfg.methods)} seeds={seeds}\n{table}")
     for seed in seeds:
         for spec in cfg.methods:
@@ -244,10 +262,37 @@ def cmd_data(args) -> int:
     return 0
 
 
+def config_help() -> str:
+    """Methods and every config key with its default (for `comix run --help`)."""
+    import dataclasses
+    import textwrap
+
+    from .algorithms import METHODS
+    from .config import RunConfig
+
+    lines = ["methods (methods=[a,b] or a spec such as hetlora:reg=0.05):",
+             textwrap.fill(", ".join(METHODS), 96, initial_indent="  ", subsequent_indent="  "),
+             "", "config keys (key=value; sections take section.key=value):"]
+    cfg = RunConfig()
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            items = ", ".join(f"{g.name}={getattr(value, g.name)!r}" for g in dataclasses.fields(value))
+            lines.append(textwrap.fill(f"{f.name}: {items}", 96, initial_indent="  ", subsequent_indent="      "))
+        else:
+            lines.append(f"  {f.name}={value!r}")
+    lines += ["", "the defaults above are the main job; README.md and configs/ have recipes"]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
+    from . import __version__
+
     ap = argparse.ArgumentParser(prog="comix", description="Collaborative fine-tuning with mixtures of LoRA experts")
+    ap.add_argument("--version", action="version", version=f"comix {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="run a config's methods (no config: the main job)")
+    r = sub.add_parser("run", help="run a config's methods (no config: the main job)", epilog=config_help(),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("config", nargs="?", help="YAML recipe (see configs/)")
     r.add_argument("overrides", nargs="*", help="key=value, e.g. train.rounds=2 methods=[local]")
     r.add_argument("--resume", metavar="RUN_DIR", help="continue a killed run")
@@ -290,6 +335,12 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"comix: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if RUN_DIR is not None and args.cmd in ("run", "compare"):
+            print(f"\ncomix: interrupted; continue with: comix {args.cmd} --resume {RUN_DIR}", file=sys.stderr)
+        else:
+            print("\ncomix: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ class ConfigError(ValueError):
 class ComigsConfig:
     experts: int | list[int] = 2      # per-user list for comigs-1gxs, e.g. [2, 2, 4, 4]
     top_k: int = 2
+    share_router: bool = False        # average the routers too (FedAvg-MoE's "all" strategy)
 
 
 def _options_section(cls) -> type:
@@ -56,6 +57,7 @@ def _main_job_data() -> SplitConfig:
 @dataclass
 class RunConfig:
     model: str = "smollm2-135m"
+    dropout: float = 0.0               # base-model dropout, every architecture (paper: nanoGPT's 0)
     corpus: str = "multilingual"
     methods: list[str] = field(default_factory=lambda: ["pretrained", "local", "fedavg", "comigs-1g1s"])
     seed: int = 42
@@ -63,6 +65,7 @@ class RunConfig:
     run_dir: str = ""                  # default: runs/<corpus>-<timestamp>
     threads: int = 0                   # torch threads; 0 = torch's default
     offload: bool = False              # keep idle clients' states on disk
+    keep_checkpoints: bool = False     # keep checkpoint.pt and client states after a method finishes
     engine: str = "inprocess"          # inprocess | flower-sim (Flower's Ray simulation, comix[flower-sim])
     data: SplitConfig = field(default_factory=_main_job_data)
     train: TrainConfig = field(default_factory=_main_job_train)
@@ -92,6 +95,16 @@ class RunConfig:
             raise ConfigError(f"train.router_steps must be >= 0, got {t.router_steps}")
         if not t.eval_splits or any(s not in ("valid", "test") for s in t.eval_splits):
             raise ConfigError(f"train.eval_splits must list valid and/or test, got {t.eval_splits}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
+        if len(t.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in t.betas):
+            raise ConfigError(f"train.betas must be two numbers in [0, 1), got {t.betas}")
+        if not 0 <= t.min_lr_ratio <= 1 or not 0 <= t.warmup_frac < 1:
+            raise ConfigError(f"train.min_lr_ratio must be in [0, 1] and train.warmup_frac in [0, 1), "
+                              f"got {t.min_lr_ratio} and {t.warmup_frac}")
+        if t.grad_clip < 0 or t.weight_decay < 0:
+            raise ConfigError(f"train.grad_clip and train.weight_decay must be >= 0, got {t.grad_clip} and "
+                              f"{t.weight_decay}")
         if t.load_balance not in ("none", "uniform", "generalist"):
             raise ConfigError(f"train.load_balance must be none, uniform or generalist, got {t.load_balance!r}")
         return self

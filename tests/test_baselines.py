@@ -26,23 +26,23 @@ def test_hetlora_zero_pads_to_the_max_rank_and_truncates_back():
     algo = _algo("hetlora", n=2, ranks=[2, 4], aggregation="uniform")
     a0, b0 = torch.arange(6.).reshape(2, 3), torch.ones(5, 2)
     a1, b1 = torch.full((4, 3), 2.), torch.full((5, 4), 3.)
-    up = {0: {"x.lora.lora_A": a0, "x.lora.lora_B": b0}, 1: {"x.lora.lora_A": a1, "x.lora.lora_B": b1}}
+    up = {0: {"b.mlp.up_proj.lora.lora_A": a0, "b.mlp.up_proj.lora.lora_B": b0}, 1: {"b.mlp.up_proj.lora.lora_A": a1, "b.mlp.up_proj.lora.lora_B": b1}}
     _, payloads = algo.server_round(None, up)
     glob_a = torch.cat([(a0 + a1[:2]) / 2, a1[2:] / 2])          # padding rows are zeros
     glob_b = torch.cat([(b0 + b1[:, :2]) / 2, b1[:, 2:] / 2], 1)
-    assert payloads[1]["x.lora.lora_A"].shape == (4, 3) and payloads[0]["x.lora.lora_A"].shape == (2, 3)
-    assert torch.allclose(payloads[1]["x.lora.lora_A"], glob_a) and torch.allclose(payloads[1]["x.lora.lora_B"], glob_b)
-    assert torch.allclose(payloads[0]["x.lora.lora_A"], glob_a[:2]) and torch.allclose(payloads[0]["x.lora.lora_B"], glob_b[:, :2])
+    assert payloads[1]["b.mlp.up_proj.lora.lora_A"].shape == (4, 3) and payloads[0]["b.mlp.up_proj.lora.lora_A"].shape == (2, 3)
+    assert torch.allclose(payloads[1]["b.mlp.up_proj.lora.lora_A"], glob_a) and torch.allclose(payloads[1]["b.mlp.up_proj.lora.lora_B"], glob_b)
+    assert torch.allclose(payloads[0]["b.mlp.up_proj.lora.lora_A"], glob_a[:2]) and torch.allclose(payloads[0]["b.mlp.up_proj.lora.lora_B"], glob_b[:, :2])
 
 
 def test_hetlora_sparsity_weights_follow_update_norms():
     algo = _algo("hetlora", n=2, ranks=[2, 2])
-    up0 = {"x.lora.lora_A": torch.ones(2, 3), "x.lora.lora_B": torch.zeros(4, 2)}   # dW = 0
-    up1 = {"x.lora.lora_A": torch.ones(2, 3), "x.lora.lora_B": torch.ones(4, 2)}
+    up0 = {"b.mlp.up_proj.lora.lora_A": torch.ones(2, 3), "b.mlp.up_proj.lora.lora_B": torch.zeros(4, 2)}   # dW = 0
+    up1 = {"b.mlp.up_proj.lora.lora_A": torch.ones(2, 3), "b.mlp.up_proj.lora.lora_B": torch.ones(4, 2)}
     w = algo.weights({0: up0, 1: up1})
     assert w == {0: 0.0, 1: 1.0}
     _, payloads = algo.server_round(None, {0: up0, 1: up1})
-    assert torch.equal(payloads[0]["x.lora.lora_B"], up1["x.lora.lora_B"])
+    assert torch.equal(payloads[0]["b.mlp.up_proj.lora.lora_B"], up1["b.mlp.up_proj.lora.lora_B"])
 
 
 def test_hetlora_self_prunes_and_holds_the_tail_at_zero(setup):
@@ -63,21 +63,21 @@ def test_hetlora_self_prunes_and_holds_the_tail_at_zero(setup):
 def test_flexlora_redistribution_is_exact_when_the_rank_allows():
     torch.manual_seed(0)
     algo = _algo("flexlora", n=3, ranks=[2, 2, 8])
-    ups = {c: {"m.lora.lora_A": torch.randn(2, 10), "m.lora.lora_B": torch.randn(6, 2)} for c in (0, 1)}
-    ups[2] = {"m.lora.lora_A": torch.randn(8, 10) * (torch.arange(8) < 2)[:, None], "m.lora.lora_B": torch.randn(6, 8)}
-    mean = sum(algo.scaling(c) * u["m.lora.lora_B"].double() @ u["m.lora.lora_A"].double() for c, u in ups.items()) / 3
+    ups = {c: {"b.mlp.up_proj.lora.lora_A": torch.randn(2, 10), "b.mlp.up_proj.lora.lora_B": torch.randn(6, 2)} for c in (0, 1)}
+    ups[2] = {"b.mlp.up_proj.lora.lora_A": torch.randn(8, 10) * (torch.arange(8) < 2)[:, None], "b.mlp.up_proj.lora.lora_B": torch.randn(6, 8)}
+    mean = sum(algo.scaling(c) * u["b.mlp.up_proj.lora.lora_B"].double() @ u["b.mlp.up_proj.lora.lora_A"].double() for c, u in ups.items()) / 3
     _, payloads = algo.server_round(None, ups)
-    rebuilt = lambda c: algo.scaling(c) * payloads[c]["m.lora.lora_B"].double() @ payloads[c]["m.lora.lora_A"].double()  # noqa: E731
+    rebuilt = lambda c: algo.scaling(c) * payloads[c]["b.mlp.up_proj.lora.lora_B"].double() @ payloads[c]["b.mlp.up_proj.lora.lora_A"].double()  # noqa: E731
     assert torch.linalg.matrix_rank(mean) == 6 and torch.allclose(rebuilt(2), mean, atol=1e-5)   # rank 6 <= 8: exact
     u, s, vh = torch.linalg.svd(mean)
     assert torch.allclose(rebuilt(0), (u[:, :2] * s[:2]) @ vh[:2], atol=1e-5)                     # best rank-2
-    assert payloads[0]["m.lora.lora_A"].shape == (2, 10) and payloads[2]["m.lora.lora_B"].shape == (6, 8)
+    assert payloads[0]["b.mlp.up_proj.lora.lora_A"].shape == (2, 10) and payloads[2]["b.mlp.up_proj.lora.lora_B"].shape == (6, 8)
 
 
 # -- FFA-LoRA, FedSA-LoRA ------------------------------------------------------------------------
 def _final_states(tmp_path, method, users, model):
     algo = make_algorithm(method, LoRAConfig(r=4), _train(), 3)
-    run_method(algo, model, users, tmp_path / method, seed=5)
+    run_method(algo, model, users, tmp_path / method, seed=5, keep_checkpoints=True)
     return torch.load(tmp_path / method / "checkpoint.pt", weights_only=False)["clients"]
 
 
@@ -109,7 +109,7 @@ def test_fedsa_lora_averages_a_and_keeps_b_local(setup, tmp_path):
 # -- PCL -----------------------------------------------------------------------------------------
 def test_pcl_trust_weights_are_a_distribution_favouring_helpful_peers(setup):
     model, users = setup
-    algo = _algo("pcl")
+    algo = _algo("pcl", start_round=1, period=1)
     ctx, state = _client(algo, model, users, 0)
     state, mine, _ = algo.client_round(ctx, state, {})
     noisy = {n: t + 3 * torch.randn_like(t) for n, t in mine.items()}
@@ -118,8 +118,28 @@ def test_pcl_trust_weights_are_a_distribution_favouring_helpful_peers(setup):
     w = algo.trust(ctx, state, algo.peers(payloads[0]))
     assert (w >= 0).all() and w.sum().item() == pytest.approx(1.0)
     assert w[1] < w[0] and w[0] == pytest.approx(w[2])
+    # softmax of minus the validation perplexity (the authors' collab_run_client_level.py, T = 1)
+    gen = torch.Generator().manual_seed(1000 * state.step + 0)
+    batches = [sample_batch(users[0].valid, 2, 16, gen) for _ in range(algo.cfg.eval_batches)]
+    ppl = []
+    for j in (0, 1, 2):
+        load_adapters(ctx.model, algo.peers(payloads[0])[j])
+        with torch.no_grad():
+            ppl.append(torch.tensor(sum(lm_loss(ctx.model, x, y).item() for x, y in batches) / len(batches)).exp())
+    assert torch.allclose(w, torch.softmax(-torch.stack(ppl), 0), atol=1e-5)
     state, _, m = algo.client_round(ctx, state, payloads[0])
     assert len(m["trust"]) == 3 and sum(m["trust"]) == pytest.approx(1.0, abs=1e-3)
+
+
+def test_pcl_mixes_after_round_five_then_every_second_round(setup, tmp_path):
+    model, users = setup
+    algo = make_algorithm("pcl", LoRAConfig(r=4), _train(rounds=8, local_steps=1), 3, eval_batches=2)
+    assert [r for r in range(1, 9) if algo.mixes_after(r)] == [5, 7]
+    run_method(algo, model, users, tmp_path / "pcl", seed=1)
+    rows = [json.loads(x) for x in (tmp_path / "pcl" / "metrics.jsonl").read_text().splitlines()]
+    sent = sorted({r["round"] for r in rows if r["bytes_up"] > 0})
+    assert sent == [5, 7] and all(r["bytes_down"] == 0 for r in rows if r["round"] in (2, 3, 4, 5))
+    assert {r["round"] for r in rows if "trust" in r} == {6, 8}  # mixed at the start of the next round
 
 
 # -- FDLoRA --------------------------------------------------------------------------------------
@@ -139,7 +159,8 @@ def test_fdlora_fusion_lowers_the_validation_objective(setup):
     ctx, state = _client(algo, model, users, 0)
     state, _, _ = algo.client_round(ctx, state, {})
     # a harmful global LoRA (as if the federation were far from this user): fusion should shrink it
-    payload = {n: t + 0.5 * torch.randn_like(t) for n, t in state.adapters.items() if algo.is_shared(n)}
+    payload = {n: t + (0.5 * torch.randn_like(t) if param_role(n) == "mlp_lora" else 0)
+               for n, t in state.adapters.items() if algo.is_shared(n)}
     gen = torch.Generator().manual_seed(0)
     batches = [sample_batch(users[0].valid, 2, 16, gen) for _ in range(algo.fewshot_batches)]
     state = algo.client_finish(ctx, state, payload)
@@ -169,11 +190,13 @@ def test_joint_router_updates_use_training_batches_only(setup, method, monkeypat
     assert "router" not in state.optimizers                                        # ... with the experts
 
 
-def test_fedavg_moe_averages_the_routers():
-    algo = _algo("fedavg-moe", n=2)
+def test_fedavg_moe_keeps_routers_local_unless_asked():
     up = {c: {"b.mlp.router.weight": torch.full((2, 3), float(c))} for c in (0, 1)}
-    _, p = algo.server_round(None, up)
-    assert torch.equal(p[0]["b.mlp.router.weight"], torch.full((2, 3), 0.5))
+    assert not _algo("fedavg-moe", n=2).is_shared("b.mlp.router.weight")  # the authors' "experts"
+    assert _algo("fedavg-moe", n=2).is_shared("b.mlp.experts.1.up_proj.lora_A")
+    shared = _algo("fedavg-moe", n=2, share_router=True)                     # their "all"
+    _, p = shared.server_round(None, up)
+    assert shared.is_shared("b.mlp.router.weight") and torch.equal(p[0]["b.mlp.router.weight"], torch.full((2, 3), 0.5))
     assert not _algo("pfedmoe").is_shared("b.mlp.router.weight")
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 
 from ..models import LoRAConfig
-from .base import Algorithm, ClientContext, ClientState, TrainConfig, average, one_cycle_lr, tensor_bytes
+from .base import Algorithm, ClientContext, ClientState, TrainConfig, average, expert_lr, tensor_bytes
 from .centralized import Centralized
 from .comigs import CoMiGS
 from .fdlora import FDLoRA
@@ -61,6 +61,6 @@ def make_algorithm(name: str, lora: LoRAConfig, train: TrainConfig, n_clients: i
     return algo
 
 
-__all__ = ["Algorithm", "ClientContext", "ClientState", "TrainConfig", "average", "one_cycle_lr",
+__all__ = ["Algorithm", "ClientContext", "ClientState", "TrainConfig", "average", "expert_lr",
            "tensor_bytes", "make_algorithm", "section_of", "METHODS", "REGISTRY", *(c.__name__ for c in CLASSES),
            "CoMiGS"]

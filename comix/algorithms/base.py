@@ -10,11 +10,13 @@ An algorithm says
 Engines (in-process, Flower) only move states, uploads and payloads around.
 
 This module holds what every method shares: the training config, a client's private state, the
-local training loop (AdamW, one-cycle cosine schedule, optional load balance) and uniform
+local training loop (AdamW, cosine schedule, optional load balance; TrainConfig lists each
+choice and its source) and uniform
 FedAvg aggregation of the shared tensors (Alg. 1's server step).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,14 +32,35 @@ Tensors = dict[str, torch.Tensor]
 
 @dataclass
 class TrainConfig:
+    """Local training, one place for every optimisation choice and its source.
+
+    Paper = CoMiGS (ICML 2025) App. B.1; authors = epfml/CoMiGS, where the paper is silent.
+      lr 2e-3, "one-cycle cosine" .... paper. The authors' one cycle is torch's CosineAnnealingLR
+                                        from lr to lr/10 over rounds x local_steps, no warm-up
+                                        (collab_utils/clients.py): ``min_lr_ratio`` 0.1,
+                                        ``warmup_frac`` 0.
+      router_lr 2e-3, constant ......... paper (ConstantLR in the authors' clients.py).
+      AdamW betas (0.9, 0.95) .......... authors (clients.py: configure_optimizers(betas=...)).
+      weight_decay 1e-2 ................ authors (collab_run.py: -wd default 1e-2), on both the
+                                        expert and the router optimizer.
+      grad_clip 0 (none) ............... authors (clients.py clips nothing).
+      tau 30, router_steps 10 .......... paper App. B.1 (update period and steps of Alg. 1).
+      lb_weight 0.01, uniform .......... paper Sec. 3.3 / App. B.1 ("always applied").
+      10 local steps, 20 rounds, 64x128  paper App. B.1.
+    At n = 2 experts with top-2 routing every expert is always selected (f_j = 1), so the
+    load-balance loss n * sum_j f_j P_j = 2 is a constant with zero gradient: it changes
+    nothing for 1G1S / 2G / 2S / pFedMoE (and Table 6's n = 2 rows are equal by construction).
+    """
     rounds: int = 20
     local_steps: int = 10           # expert iterations per round (paper App. B.1)
     batch_size: int = 64
     seq_len: int = 128
-    lr: float = 2e-3                # expert lr, one-cycle cosine over rounds * local_steps
-    warmup_frac: float = 0.1        # share of the one cycle spent warming up
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
+    lr: float = 2e-3                # expert lr: cosine from lr to lr * min_lr_ratio
+    min_lr_ratio: float = 0.1
+    warmup_frac: float = 0.0        # share of the schedule spent in linear warm-up (authors: none)
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    grad_clip: float = 0.0          # max gradient norm; 0 = no clipping
     router_lr: float = 2e-3         # constant (App. B.1)
     tau: int = 30                   # router update period, in expert iterations
     router_steps: int = 10          # router steps each period, on validation batches
@@ -72,17 +95,17 @@ def tensor_bytes(tensors: Tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def one_cycle_lr(step: int, total: int, max_lr: float, warmup_frac: float = 0.1,
-                 div: float = 25.0, final_div: float = 1e4) -> float:
-    """One-cycle cosine (as torch's OneCycleLR): cosine warm-up from max_lr/div to max_lr, then
-    cosine annealing to max_lr/(div*final_div). ``step`` counts from 0."""
+def expert_lr(step: int, total: int, train: TrainConfig) -> float:
+    """The expert learning rate at ``step`` (from 0) of ``total``: optional linear warm-up, then
+    cosine annealing from ``lr`` to ``lr * min_lr_ratio`` (torch's CosineAnnealingLR with
+    eta_min, as the authors' clients.py)."""
     total = max(total, 1)
-    up = max(1, int(warmup_frac * total))
-    lo, end = max_lr / div, max_lr / (div * final_div)
+    up = int(train.warmup_frac * total)
     if step < up:
-        return lo + (max_lr - lo) * (1 - math.cos(math.pi * step / up)) / 2
+        return train.lr * (step + 1) / up
+    low = train.lr * train.min_lr_ratio
     frac = min(1.0, (step - up) / max(1, total - up))
-    return end + (max_lr - end) * (1 + math.cos(math.pi * frac)) / 2
+    return low + (train.lr - low) * (1 + math.cos(math.pi * frac)) / 2
 
 
 def average(uploads: dict[int, Tensors]) -> Tensors:
@@ -100,7 +123,7 @@ class Algorithm:
     name = "local"
     trains = True
     pooled = False               # one model trained on every user's data (Centralized)
-    lora_modules = 2             # "2x LoRA modules" to match CoMiGS-1G1S (paper Sec. 4.2)
+    lora_modules = 2             # "2x LoRA modules" on the MLP to match CoMiGS-1G1S (paper Sec. 4.2)
     common_init = False          # every client starts from the *same* adapters (FFA-LoRA's frozen A)
     section: str | None = None   # the config section holding this method's options
 
@@ -109,9 +132,9 @@ class Algorithm:
 
     # -- what a client carries and what may leave it ---------------------------------------------
     def adapter_config(self, client: int) -> AdapterConfig:
-        lora = LoRAConfig(r=self.lora.r, alpha=self.lora.alpha, dropout=self.lora.dropout,
-                          modules=self.lora_modules)
-        return AdapterConfig(lora=lora, mlp="lora")
+        # Attention LoRA at rank r; `lora_modules` rank-r modules on each MLP linear (AdapterConfig).
+        lora = LoRAConfig(r=self.lora.r, alpha=self.lora.alpha, dropout=self.lora.dropout)
+        return AdapterConfig(lora=lora, mlp="lora", mlp_lora=dataclasses.replace(lora, modules=self.lora_modules))
 
     def is_shared(self, name: str) -> bool:
         return False
@@ -173,6 +196,12 @@ class Algorithm:
         upload = self.upload_of(state.adapters)
         return state, upload, {"train_loss": sum(losses) / max(1, len(losses))}
 
+    def personal_adapters(self, ctx: ClientContext, state: ClientState, payload: Tensors) -> Tensors:
+        """The adapters this client holds after taking ``payload`` (what it is evaluated with),
+        without changing ``state``."""
+        personal = ClientState(adapters=dict(state.adapters), extra=state.extra)
+        return self.apply_payload(personal, payload).adapters
+
     def client_finish(self, ctx: ClientContext, state: ClientState, payload: Tensors) -> ClientState:
         """After the last server round: take the final payload (FDLoRA also fuses here)."""
         return self.apply_payload(state, payload)
@@ -184,12 +213,12 @@ class Algorithm:
     def local_training(self, ctx: ClientContext, state: ClientState, gen: torch.Generator) -> list[float]:
         """``local_steps`` expert iterations with AdamW; returns the training losses."""
         params = self.train_params(ctx.model)
-        opt = make_optimizer(params, state, "experts", self.train.weight_decay)
+        opt = make_optimizer(params, state, "experts", self.train)
         total = self.train.rounds * self.train.local_steps
         losses = []
         for _ in range(self.train.local_steps):
             for g in opt.param_groups:
-                g["lr"] = one_cycle_lr(state.step, total, self.train.lr, self.train.warmup_frac)
+                g["lr"] = expert_lr(state.step, total, self.train)
             x, y = self.train_batch(ctx, gen)
             loss = lm_loss(ctx.model, x, y)
             total_loss = (loss + self.train.lb_weight * model_load_balance(ctx.model, self.train.load_balance)
@@ -233,8 +262,11 @@ def router_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if param_role(n) == "router"]
 
 
-def make_optimizer(params, state: ClientState, key: str, weight_decay: float = 0.0, lr: float = 1e-3):
-    opt = torch.optim.AdamW([p for _, p in params], lr=lr, weight_decay=weight_decay)
+def make_optimizer(params, state: ClientState, key: str, train: TrainConfig, lr: float | None = None):
+    """AdamW with the run's betas and weight decay (TrainConfig lists the sources), loaded with
+    this client's own moments for ``key`` ("experts", "router", ...)."""
+    opt = torch.optim.AdamW([p for _, p in params], lr=train.lr if lr is None else lr,
+                            betas=tuple(train.betas), weight_decay=train.weight_decay)
     if key in state.optimizers:  # this client's own moments, never another client's
         opt.load_state_dict(state.optimizers[key])
     return opt

@@ -68,7 +68,7 @@ class CoMiGS(Algorithm):
         if self.router_update == "joint" or state.step % self.train.tau != 0 or not router_params(ctx.model):
             return
         params = [p for _, p in router_params(ctx.model)]
-        opt = make_optimizer(router_params(ctx.model), state, "router", lr=self.train.router_lr)
+        opt = make_optimizer(router_params(ctx.model), state, "router", self.train, lr=self.train.router_lr)
         for _ in range(self.train.router_steps):
             split = ctx.data.valid if self.router_update == "valid" else ctx.data.train
             x, y = sample_batch(split, self.train.batch_size, self.train.seq_len, gen)

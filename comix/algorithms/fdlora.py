@@ -12,7 +12,10 @@ client-wise fusion weights learned at the end (CoMiGS Sec. 4.2).
     with (w_g, w_p) found by gradient-free search (nevergrad NGOpt, bounds [-1.5, 1.5]) on a
     few validation batches, minimising validation loss + 0.05 * (|w_g| + |w_p|) (AdaFusion).
     Before that the two are averaged (0.5, 0.5), which is also where the search starts.
-Each adapter is one rank-r LoRA, so a client trains as many parameters as the 2x LoRA baselines.
+The personal LoRA sits on the MLP linears only; the attention linears carry the global LoRA
+alone (trained on the global steps, fusion weight fixed at 1). Each adapter is one rank-r LoRA,
+so a client trains as many parameters as CoMiGS-1G1S (attention r, MLP 2r) and the 2x LoRA
+baselines (tests/test_algorithms.py checks the counts).
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from ..data import sample_batch
 from ..models import AdapterConfig, LoRAConfig, param_role
 from ..models.lora import LoRALinear
 from .base import (Algorithm, ClientContext, ClientState, Tensors, adapter_tensors, average, load_adapters,
-                   lm_loss, make_optimizer, one_cycle_lr, step_on)
+                   lm_loss, make_optimizer, expert_lr, step_on)
 
 START = (0.5, 0.5)
 
@@ -73,14 +76,14 @@ class FDLoRA(Algorithm):
         named = self.train_params(ctx.model)
         groups = {"global": [(n, p) for n, p in named if param_role(n) != "personal_lora"],
                   "personal": [(n, p) for n, p in named if param_role(n) == "personal_lora"]}
-        opts = {k: make_optimizer(ps, state, k, self.train.weight_decay) for k, ps in groups.items()}
+        opts = {k: make_optimizer(ps, state, k, self.train) for k, ps in groups.items()}
         total = self.train.rounds * self.train.local_steps
         losses = []
         for _ in range(self.train.local_steps):
             which = "global" if state.step % 2 == 0 else "personal"
             set_fusion(ctx.model, (1.0, 0.0) if which == "global" else (0.0, 1.0))
             for g in opts[which].param_groups:
-                g["lr"] = one_cycle_lr(state.step, total, self.train.lr, self.train.warmup_frac)
+                g["lr"] = expert_lr(state.step, total, self.train)
             x, y = self.train_batch(ctx, gen)
             loss = lm_loss(ctx.model, x, y)
             step_on(loss, [p for _, p in groups[which]], opts[which], self.train.grad_clip)

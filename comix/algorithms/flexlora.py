@@ -4,7 +4,8 @@ dW_k = s_k B_k A_k (s_k = alpha / sqrt(r_k)), averages them (uniform weights, as
 method here; FlexLoRA's own paper weights by data size) and gives client k the best rank-r_k
 approximation of the mean by truncated SVD, dW = U S V^T:
     B_k = U[:, :r] sqrt(S[:r]) / sqrt(s_k),   A_k = sqrt(S[:r]) V[:, :r]^T / sqrt(s_k),
-so s_k B_k A_k is exact whenever rank(mean dW) <= r_k (Eckart-Young otherwise).
+so s_k B_k A_k is exact whenever rank(mean dW) <= r_k (Eckart-Young otherwise). This applies to
+the MLP LoRA (heterogeneous ranks); the attention LoRA, rank r for all, is averaged (FedAvg).
 
 The mean is never formed: mean dW = B_cat A_cat with B_cat = [s_1 B_1, ..., s_K B_K] / K and
 A_cat = [A_1; ...; A_K] (rank R = sum r_k), so two thin QRs and the SVD of an R x R matrix give
@@ -13,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import Tensors
-from .hetero import HeteroRank, lora_pairs
+from .base import Tensors, average
+from .hetero import HeteroRank, is_hetero, lora_pairs
 
 
 class FlexLoRA(HeteroRank):
@@ -50,4 +51,5 @@ class FlexLoRA(HeteroRank):
 
     def server_round(self, server_state, uploads: dict[int, Tensors]):
         delta = self.mean_update(uploads)
-        return server_state, {c: self.redistribute(delta, c) for c in range(self.n_clients)}
+        attention = average({k: {n: t for n, t in up.items() if not is_hetero(n)} for k, up in uploads.items()})
+        return server_state, {c: {**attention, **self.redistribute(delta, c)} for c in range(self.n_clients)}

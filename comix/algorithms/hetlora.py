@@ -18,7 +18,7 @@ import math
 import torch
 
 from .base import ClientContext, ClientState, Tensors, load_adapters
-from .hetero import HeteroRank, lora_pairs, truncate
+from .hetero import HeteroRank, is_hetero, lora_pairs, truncate
 
 
 def product_norm(a: torch.Tensor, b: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
@@ -49,13 +49,19 @@ class HetLoRA(HeteroRank):
         return {k: (v / total if total > 0 else 1 / len(uploads)) for k, v in norms.items()}
 
     def aggregate(self, uploads: dict[int, Tensors]) -> Tensors:
-        """Zero-pad every client's factors to the largest rank, then the weighted sum."""
+        """Zero-pad every client's MLP factors to the largest rank, then the weighted sum (the
+        attention LoRA has one rank for all: the same weighted sum, nothing to pad)."""
         width = max(self.ranks)  # uploads may be narrower (pruned); payloads have the initial ranks
         w = self.weights(uploads)
         out: Tensors = {}
         for k, up in uploads.items():
             for n, t in up.items():
-                pad = [0, 0, 0, width - t.shape[0]] if n.endswith("lora_A") else [0, width - t.shape[1]]
+                if not is_hetero(n):
+                    pad = [0, 0]
+                elif n.endswith("lora_A"):
+                    pad = [0, 0, 0, width - t.shape[0]]
+                else:
+                    pad = [0, width - t.shape[1]]
                 out[n] = out.get(n, 0) + w[k] * torch.nn.functional.pad(t.float(), pad)
         return out
 
@@ -65,6 +71,8 @@ class HetLoRA(HeteroRank):
 
     def shape_ok(self, name: str, shape: tuple, expected: tuple) -> bool:
         # a pruned client uploads only its active components: fewer rows of A / columns of B
+        if not is_hetero(name):
+            return shape == expected
         rank_dim = 0 if name.endswith("lora_A") else 1
         return len(shape) == 2 and 1 <= shape[rank_dim] <= expected[rank_dim] and \
             shape[1 - rank_dim] == expected[1 - rank_dim]

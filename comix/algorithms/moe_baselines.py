@@ -1,6 +1,9 @@
 """The routing ablations of CoMiGS Table 5 (groups II and III): a 2-expert mixture of LoRA
-experts on every MLP with either nothing shared (Local-MoE) or everything shared, the routers
-included (FedAvg-MoE: FedAvg applied to a MoE model).
+experts on every MLP with either nothing shared (Local-MoE) or every expert shared (FedAvg-MoE:
+FedAvg applied to a MoE model). As in the authors' Table 5 runs (epfml/CoMiGS
+collab_runscripts/table4/baseline_fedavg_moe*.sh: ``-as experts``, whose strategy keeps the
+router client-specific), FedAvg-MoE's routers stay on the device; ``fedavg-moe:share_router=true``
+averages them too (the authors' ``all`` strategy).
 
   * ``local-moe`` / ``fedavg-moe``: router and experts updated together on the training loss;
   * ``local-moe-tr`` / ``fedavg-moe-tr``: alternating updates as in Alg. 1, but the router steps
@@ -16,7 +19,7 @@ class LocalMoE(CoMiGS):
 
 class FedAvgMoE(CoMiGS):
     name = "fedavg-moe"
-    variant = dict(experts=2, generalists=2, share_router=True, router_update="joint")
+    variant = dict(experts=2, generalists=2, router_update="joint")
 
 
 class LocalMoETr(CoMiGS):
@@ -26,4 +29,4 @@ class LocalMoETr(CoMiGS):
 
 class FedAvgMoETr(CoMiGS):
     name = "fedavg-moe-tr"
-    variant = dict(experts=2, generalists=2, share_router=True, router_update="train")
+    variant = dict(experts=2, generalists=2, router_update="train")

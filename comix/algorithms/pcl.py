@@ -2,16 +2,18 @@
 aggregating LoRA parameters using a client-level collaboration graph ... updated using
 validation performances").
 
-Each client holds plain LoRA (2x modules, as FedAvg) and uploads all of it. The server does not
-average: it relays every client's LoRA to every client. Each client i scores each peer j's model
-on a few of *its own* validation batches (the validation data never leaves the device) and sets
-its trust weights w_ij = softmax_j(-L_ij / T) (non-negative, summing to 1); its next starting
-point is sum_j w_ij theta_j, after which it trains locally. The trust weights (one row of the
-collaboration graph) are refreshed every ``period`` rounds and reused in between.
+Each client holds plain LoRA (2x modules on the MLP, as FedAvg) and trains locally. Every
+``period`` rounds from round ``start_round`` on it uploads all of its LoRA, the server relays
+every client's LoRA to every client, and client i scores each peer j's model on
+``eval_batches`` batches of *its own* validation data (which never leaves the device):
+w_ij = softmax_j(-PPL_ij / T). Its model becomes sum_j w_ij theta_j (one row of the
+collaboration graph), then local training goes on. In the other rounds nothing is sent.
 
-Choices where the papers are thin: the softmax temperature T = 0.1 (losses differ by tenths
-of a nat between related users; T = 1 would make the graph nearly uniform, i.e. FedAvg), 2
-validation batches per score, refresh every round.
+Defaults follow the authors' code (epfml/CoMiGS collab_run_client_level.py, where the paper is
+silent): trust = softmax of minus the validation *perplexity* (T = 1) over 20 batches, mixing
+after rounds 5, 7, 9, ... (``epoch > 3 and epoch % 2 == 0`` with epochs from 0). With T = 1
+on perplexities that differ by several points the graph is close to one-hot: usually a client
+keeps its own model unless a peer is clearly better on its validation data.
 """
 from __future__ import annotations
 
@@ -25,13 +27,15 @@ from .base import Algorithm, ClientContext, ClientState, Tensors, load_adapters,
 
 @dataclass
 class PCLConfig:
-    period: int = 1             # refresh the trust weights every `period` rounds
-    temperature: float = 0.1    # T in softmax(-L / T)
-    eval_batches: int = 2       # validation batches per peer score
+    start_round: int = 5        # first round (from 1) after which the clients mix
+    period: int = 2             # then every `period` rounds
+    temperature: float = 1.0    # T in softmax(-PPL / T)
+    eval_batches: int = 20      # validation batches per peer score
 
     def __post_init__(self):
-        if self.period < 1 or self.eval_batches < 1 or self.temperature <= 0:
-            raise ValueError("pcl.period and pcl.eval_batches must be >= 1 and pcl.temperature > 0")
+        if self.start_round < 1 or self.period < 1 or self.eval_batches < 1 or self.temperature <= 0:
+            raise ValueError("pcl.start_round, pcl.period and pcl.eval_batches must be >= 1 and "
+                             "pcl.temperature > 0")
 
 
 PEER = "peer{}/"
@@ -41,12 +45,20 @@ class PCL(Algorithm):
     name = "pcl"
     section = "pcl"
 
-    def __init__(self, lora, train, n_clients, period: int = 1, temperature: float = 0.1, eval_batches: int = 2):
+    def __init__(self, lora, train, n_clients, start_round: int = 5, period: int = 2,
+                 temperature: float = 1.0, eval_batches: int = 20):
         super().__init__(lora, train, n_clients)
-        self.cfg = PCLConfig(period, temperature, eval_batches)
+        self.cfg = PCLConfig(start_round, period, temperature, eval_batches)
 
     def is_shared(self, name: str) -> bool:
         return True
+
+    def mixes_after(self, rnd: int) -> bool:
+        """Whether the clients mix after round ``rnd`` (counted from 1)."""
+        return rnd >= self.cfg.start_round and (rnd - self.cfg.start_round) % self.cfg.period == 0
+
+    def check_upload(self, upload: Tensors, reference: Tensors) -> str | None:
+        return None if not upload else super().check_upload(upload, reference)  # {}: a round without mixing
 
     def server_round(self, server_state, uploads: dict[int, Tensors]):
         relay = {PEER.format(j) + n: t for j, up in uploads.items() for n, t in up.items()}
@@ -56,41 +68,46 @@ class PCL(Algorithm):
     def peers(payload: Tensors) -> dict[int, Tensors]:
         out: dict[int, Tensors] = {}
         for key, t in payload.items():
-            head, name = key.split("/", 1)
-            out.setdefault(int(head[len("peer"):]), {})[name] = t
+            if "/" in key:
+                head, name = key.split("/", 1)
+                out.setdefault(int(head[len("peer"):]), {})[name] = t
         return out
 
     def trust(self, ctx: ClientContext, state: ClientState, peers: dict[int, Tensors]) -> torch.Tensor:
-        """w_i = softmax(-L_i / T) over peers, L_ij = validation loss of peer j's LoRA on client i."""
-        gen = torch.Generator().manual_seed(1000 * state.step + ctx.client)  # same batches for all peers
+        """w_i = softmax(-PPL_i / T) over peers, PPL_ij = validation perplexity of peer j's LoRA on
+        client i's own validation batches (the same batches for every peer)."""
+        gen = torch.Generator().manual_seed(1000 * state.step + ctx.client)
         batches = [sample_batch(ctx.data.valid, self.train.batch_size, self.train.seq_len, gen)
                    for _ in range(self.cfg.eval_batches)]
-        losses = []
+        ppl = []
+        was_training = ctx.model.training
         ctx.model.eval()
-        with torch.no_grad():
+        with torch.inference_mode():
             for j in sorted(peers):
                 load_adapters(ctx.model, peers[j])
-                losses.append(sum(lm_loss(ctx.model, x, y).item() for x, y in batches) / len(batches))
-        ctx.model.train()
-        return torch.softmax(-torch.tensor(losses) / self.cfg.temperature, 0)
+                loss = sum(lm_loss(ctx.model, x, y).item() for x, y in batches) / len(batches)
+                ppl.append(float(torch.tensor(loss).exp()))
+        ctx.model.train(was_training)
+        return torch.softmax(-torch.tensor(ppl) / self.cfg.temperature, 0)
 
-    def apply_payload(self, state: ClientState, payload: Tensors) -> ClientState:
-        if not any("/" in k for k in payload):  # round 1: the common initialisation
-            return super().apply_payload(state, payload)
+    def mix(self, ctx: ClientContext, state: ClientState, payload: Tensors) -> tuple[Tensors, list[float] | None]:
+        """This client's adapters after taking ``payload``: the trust-weighted mean of the relayed
+        peers, or the common start of round 1, or its own (a round without mixing)."""
         peers = self.peers(payload)
-        w = state.extra["trust"]
-        for n in state.adapters:
-            state.adapters[n] = sum(w[k] * peers[j][n] for k, j in enumerate(sorted(peers)))
-        return state
+        if not peers:
+            return self.apply_payload(ClientState(adapters=dict(state.adapters)), payload).adapters, None
+        w = self.trust(ctx, state, peers)
+        mixed = {n: sum(w[k] * peers[j][n].float() for k, j in enumerate(sorted(peers))).to(t.dtype)
+                 for n, t in state.adapters.items()}
+        return mixed, [round(v, 4) for v in w.tolist()]
+
+    def personal_adapters(self, ctx: ClientContext, state: ClientState, payload: Tensors) -> Tensors:
+        return self.mix(ctx, state, payload)[0]
 
     def client_round(self, ctx: ClientContext, state: ClientState, payload: Tensors):
-        peers = self.peers(payload) if any("/" in k for k in payload) else {}
-        rnd = state.step // self.train.local_steps
-        stale = state.extra.get("trust_peers") != sorted(peers)  # e.g. a peer missed a round
-        if peers and (stale or rnd % self.cfg.period == 0):
-            state.extra["trust"] = self.trust(ctx, state, peers)
-            state.extra["trust_peers"] = sorted(peers)
-        state, upload, metrics = super().client_round(ctx, state, payload)
-        if "trust" in state.extra:
-            metrics["trust"] = [round(v, 4) for v in state.extra["trust"].tolist()]
-        return state, upload, metrics
+        state.adapters, trust = self.mix(ctx, state, payload)
+        rnd = state.step // self.train.local_steps + 1  # the round being trained, from 1
+        state, upload, metrics = super().client_round(ctx, state, {})
+        if trust is not None:
+            metrics["trust"] = trust
+        return state, (upload if self.mixes_after(rnd) else {}), metrics

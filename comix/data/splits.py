@@ -5,7 +5,8 @@ tokenised once (cached under ``$COMIX_CACHE/tokens``) and concatenated with EOS 
 documents. Three setups:
   * ``in``  (in-distribution): user i trains, validates and tests on category i;
   * ``ood`` (out-of-distribution): user i trains on category i, but validates and tests on a
-    uniform mixture of all categories (equal tokens from each);
+    uniform mixture of all categories (equal tokens from each, so a cap larger than n times the
+    smallest category's split gives fewer tokens, never unequal shares);
   * quantity skew: ``train_tokens`` gives each user a training-token budget (e.g. high/low x4).
 """
 from __future__ import annotations
@@ -115,8 +116,10 @@ def make_user_data(corpus: Corpus, tokenizer, cfg: SplitConfig | None = None) ->
         for split, cap in (("valid", cfg.valid_tokens), ("test", cfg.test_tokens)):
             if cfg.mode == "in":
                 evals[split] = parts[n][split][:cap] if cap else parts[n][split]
-            else:  # uniform mixture of every category, the same for all users
-                per = (cap or min(len(parts[m][split]) for m in names) * len(names)) // len(names)
+            else:  # uniform mixture of every category, the same for all users: equal tokens from
+                # each, at most the smallest category's split (a cap above n x that is not reached)
+                smallest = min(len(parts[m][split]) for m in names)
+                per = min(cap // len(names), smallest) if cap else smallest
                 evals[split] = torch.cat([parts[m][split][:per] for m in names])
         users.append(UserData(n, train, evals["valid"], evals["test"]))
     return users

@@ -119,10 +119,8 @@ class Device:
 
     def personal_model(self, payload: Tensors) -> nn.Module:
         """The model this client holds after the round: its own state with the new payload applied."""
-        state = self.store[self.client]
-        personal = ClientState(adapters=dict(state.adapters), extra=state.extra)
-        self.algorithm.apply_payload(personal, payload)
-        load_adapters(self.model, personal.adapters)
+        adapters = self.algorithm.personal_adapters(self.context(), self.store[self.client], payload)
+        load_adapters(self.model, adapters)
         return self.model
 
     def evaluate(self, payload: Tensors, user: UserData) -> dict:

@@ -9,6 +9,7 @@ is the one the Flower engine runs too; here its requests are plain calls.
 from __future__ import annotations
 
 import copy
+import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -18,7 +19,7 @@ from ..algorithms import Algorithm
 from ..algorithms.base import Tensors
 from ..data import UserData
 from ..models import inject_adapters
-from .device import Device, StateStore, evaluate
+from .device import Device, StateStore, atomic_write, evaluate
 from .server import finish_run, serve
 
 
@@ -72,10 +73,24 @@ class InProcess:
             self.store[c] = state
 
 
+def save_adapters(store: StateStore, clients: dict[int, str], directory: Path) -> None:
+    """Each client's final adapters (specialists and routers included) as
+    ``<directory>/<user>.safetensors``; in-process only: on a real federation they stay on the
+    devices."""
+    from safetensors.torch import save_file
+
+    for c, user in clients.items():
+        tensors = {n: t.detach().contiguous() for n, t in store[c].adapters.items()}
+        atomic_write(directory / f"{user}.safetensors", lambda p: save_file(tensors, p))
+
+
 def run_method(algorithm: Algorithm, base: nn.Module, users: list[UserData], out_dir: Path,
                seed: int = 42, resume: bool = False, offload: bool = False,
-               progress: Callable[[dict], None] | None = None) -> dict:
-    """Run one method to the end on this machine; writes metrics.jsonl, checkpoint.pt, results.json."""
+               progress: Callable[[dict], None] | None = None, keep_checkpoints: bool = False) -> dict:
+    """Run one method to the end on this machine; writes metrics.jsonl, results.json and the final
+    adapters (adapters/<user>.safetensors). checkpoint.pt (and, with ``offload``, the client
+    states) hold what resume needs while it runs; they are deleted when the method finishes
+    unless ``keep_checkpoints``."""
     names = [u.name for u in users]
     if not algorithm.trains:  # Pretrained: the frozen base on every user's splits
         t = algorithm.train
@@ -86,4 +101,10 @@ def run_method(algorithm: Algorithm, base: nn.Module, users: list[UserData], out
             stale.unlink()
     store = StateStore(out_dir / "clients" if offload else None)
     transport = InProcess(algorithm, base, users, seed, store)
-    return serve(algorithm, transport, names, out_dir, seed=seed, resume=resume, progress=progress)
+    result = serve(algorithm, transport, names, out_dir, seed=seed, resume=resume, progress=progress)
+    owners = {0: "all-users"} if algorithm.pooled else dict(enumerate(names))
+    save_adapters(store, owners, out_dir / "adapters")
+    if not keep_checkpoints:
+        (out_dir / "checkpoint.pt").unlink(missing_ok=True)
+        shutil.rmtree(out_dir / "clients", ignore_errors=True)
+    return result

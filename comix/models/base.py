@@ -99,11 +99,41 @@ def from_pretrained(spec: str, dtype=torch.float32):
     return model.eval(), tok
 
 
-def load_base_model(spec: str, dtype=torch.float32, seed: int = 0):
+def check_model_spec(spec: str) -> None:
+    """Fail at once, with one line, on a spec that cannot load: a path that does not exist (a
+    hub id is checked only when it loads). Cheap: run before any slow work."""
+    if spec in TINY or spec in OFFLINE:
+        return
+    looks_like_path = spec.startswith(("/", ".", "~")) or spec.count("/") > 1  # hub ids: "org/name"
+    if looks_like_path and not Path(spec).expanduser().exists():
+        raise ValueError(f"model: {spec} does not exist (give a model directory, a Hugging Face hub id, "
+                         f"or one of {', '.join(OFFLINE + TINY)})")
+
+
+def set_dropout(model: torch.nn.Module, p: float) -> None:
+    """One dropout probability for every dropout of the base model, whatever its architecture
+    (GPT-2's config ships 0.1 for resid/embd/attn; Llama/Qwen2 read ``attention_dropout``).
+    CoMiGS trains with dropout 0 (the authors' nanoGPT GPTConfig.dropout = 0.0)."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = p
+        if isinstance(getattr(m, "attention_dropout", None), float):
+            m.attention_dropout = p
+    for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout", "hidden_dropout",
+                "dropout", "summary_first_dropout"):
+        if isinstance(getattr(model.config, key, None), float):
+            setattr(model.config, key, p)
+
+
+def load_base_model(spec: str, dtype=torch.float32, seed: int = 0, dropout: float = 0.0):
     """Return (model, tokenizer) for ``spec``; the model is in eval mode with all weights frozen
-    by ``inject_adapters`` later."""
+    by ``inject_adapters`` later, and every dropout set to ``dropout``."""
+    check_model_spec(spec)
     if spec in TINY:
-        return tiny_model(spec, seed)
-    if spec == "smollm2-135m":
-        return smollm2(dtype)
-    return from_pretrained(spec, dtype)
+        model, tok = tiny_model(spec, seed)
+    elif spec == "smollm2-135m":
+        model, tok = smollm2(dtype)
+    else:
+        model, tok = from_pretrained(spec, dtype)
+    set_dropout(model, dropout)
+    return model, tok

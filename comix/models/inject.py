@@ -26,13 +26,20 @@ ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "c_attn", "c_proj")
 
 @dataclass
 class AdapterConfig:
+    """Which adapters a model carries. ``lora`` is the attention LoRA and each expert's LoRA;
+    ``mlp_lora`` (default: ``lora``) is the plain LoRA on the MLP linears when ``mlp="lora"``.
+    The "2x LoRA modules" baselines of CoMiGS Sec. 4.2 double only the MLP's LoRA, as the
+    authors' code does (attention LoRA rank fixed at 8 in models/model.py of epfml/CoMiGS), so
+    they train exactly as many parameters as CoMiGS-1G1S (two rank-r experts per MLP) minus
+    its router (tests/test_algorithms.py asserts the counts)."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     attention: bool = True           # LoRA on every attention linear (CoMiGS Sec. 4.1.2)
     mlp: str = "mixture"             # "mixture" | "lora" | "none"
     n_experts: int = 2
     top_k: int = 2
     fused: bool = True
-    personal: bool = False           # a second, personal LoRA beside each plain one (FDLoRA)
+    personal: bool = False           # a second, personal LoRA beside each plain MLP one (FDLoRA)
+    mlp_lora: LoRAConfig | None = None
 
     def __post_init__(self):
         if self.mlp not in ("mixture", "lora", "none"):
@@ -70,12 +77,13 @@ def inject_adapters(model: nn.Module, cfg: AdapterConfig, n_experts: int | None 
             attn = _attention(block)
             for name in ATTENTION_TARGETS:
                 if hasattr(attn, name) and not isinstance(getattr(attn, name), LoRALinear):
-                    setattr(attn, name, LoRALinear(getattr(attn, name), cfg.lora, cfg.personal))
+                    setattr(attn, name, LoRALinear(getattr(attn, name), cfg.lora))
         if cfg.mlp == "mixture":
             block.mlp = MixtureOfLoRAMLP(block.mlp, d_model, n, cfg.top_k, cfg.lora, cfg.fused)
         elif cfg.mlp == "lora":
             for name in detect_mlp_layout(block.mlp).projections:
-                setattr(block.mlp, name, LoRALinear(getattr(block.mlp, name), cfg.lora, cfg.personal))
+                setattr(block.mlp, name, LoRALinear(getattr(block.mlp, name), cfg.mlp_lora or cfg.lora,
+                                                    cfg.personal))
     return model
 
 
