@@ -17,7 +17,10 @@ SCALES = {
                                       router_lr=0.002, tau=30, router_steps=10, lb_weight=0.01, eval_every=1)),
     "small": dict(data=dict(valid_tokens=16384, test_tokens=4096),
                   train=dict(rounds=4, local_steps=4, batch_size=4, seq_len=128, tau=4, router_steps=2,
-                             eval_every=2, eval_splits=["test"])),
+                             eval_every=2, eval_splits=["test"]),
+                  # 4 rounds: PCL's authors mix after round 5 of 20, every second round; here after
+                  # rounds 2 and 3, scoring peers on 4 validation batches (20 in their code)
+                  pcl=dict(start_round=2, period=1, eval_batches=4)),
 }
 SETTINGS = {  # name -> (corpus, mode, what it stands for in the paper)
     "multilingual": ("multilingual", "in", "language shift, in-distribution (Table 1 'Multilingual')"),
@@ -25,6 +28,7 @@ SETTINGS = {  # name -> (corpus, mode, what it stands for in the paper)
     "topics-ood": ("topics", "ood", "out-of-distribution: test on the mixture (Table 1 'AG News')"),
 }
 EXPERTS = [2, 2, 4, 4]            # Table 2's resource profile: n_i per user (active rank 16 for all)
+HOMO_EXPERTS = [4, 4, 4, 4]       # Table 6 "homo" with more than 2 experts, where load balance acts
 HETLORA_REG = [0.05, 0.005, 0.0005]  # App. C.3's sweep
 
 
@@ -48,10 +52,12 @@ COMPARISONS = {
                    *[_list(f"hetlora:ranks={[8 * n for n in profile]},reg={r}") for r in HETLORA_REG],
                    _list(f"flexlora:ranks={[8 * n for n in profile]}"))]
                + [f"hetlora:ranks=[16,16,16,16],reg={r}" for r in HETLORA_REG] + ["flexlora:ranks=[16,16,16,16]"]),
-    "table6": ("Table 6: load balancing none / uniform / generalist-favoured (eq. 10), homo and hetero",
-               [*[f"comigs-1g1s:train.load_balance={lb}" for lb in ("none", "uniform")],
-                *[_list(f"comigs-1gxs:experts={EXPERTS},train.load_balance={lb}")
-                  for lb in ("none", "uniform", "generalist")]]),
+    # At n = 2 with top-2 routing the balance loss is a constant (both experts always selected),
+    # so the paper's 1G1S "homo" rows are equal by construction; homo here is n = 4 for everyone.
+    "table6": ("Table 6: load balancing none / uniform / generalist-favoured (eq. 10), homo (n_i = 4) and "
+               f"hetero (n_i = {EXPERTS}); top-2",
+               [_list(f"comigs-1gxs:experts={profile},train.load_balance={lb}")
+                for profile in (HOMO_EXPERTS, EXPERTS) for lb in ("none", "uniform", "generalist")]),
 }
 # Sec. 4.4 / App. D: fr and it get 4x the training tokens of de and nl; n_i homogeneous
 # (Fig. 5), positively (Fig. 6) or negatively (Fig. 7) correlated with data size.
@@ -72,6 +78,8 @@ def main() -> None:
             for comp, (title, methods) in COMPARISONS.items():
                 cfg = dict(model="smollm2-135m", corpus=corpus, methods=methods, seeds=[42, 45, 47],
                            data={"mode": mode, **base["data"]}, train=base["train"])
+                if "pcl" in base and any(m.startswith("pcl") for m in methods):
+                    cfg["pcl"] = base["pcl"]
                 write(ROOT / scale / f"{comp}-{setting}.yaml",
                       f"{title}\n{what}; {scale} scale. Run: comix compare configs/{scale}/{comp}-{setting}.yaml", cfg)
         cfg = dict(model="smollm2-135m", corpus="multilingual", methods=SKEW_METHODS, seeds=[42, 45, 47],

@@ -316,3 +316,21 @@ def test_offloaded_client_states_give_the_same_numbers(setup, tmp_path):
     saved = load_file(tmp_path / "mem" / "adapters" / "b.safetensors")
     assert any(param_role(n) == "specialist" for n in saved) and len(list((tmp_path / "mem" / "adapters").iterdir())) == 3
     assert sorted(p.name for p in (tmp_path / "disk" / "clients").iterdir()) == ["client0.pt", "client1.pt", "client2.pt"]
+
+
+def test_expert_schedule_and_optimizer_follow_the_authors_code():
+    """Cosine from lr to lr/10 over rounds x local steps, no warm-up (torch's CosineAnnealingLR
+    with eta_min = lr/10, as epfml/CoMiGS clients.py); AdamW betas (0.9, 0.95), weight decay 1e-2."""
+    from comix.algorithms import expert_lr
+    from comix.algorithms.base import make_optimizer
+    train = TrainConfig(rounds=3, local_steps=5)
+    p = torch.nn.Parameter(torch.zeros(1))
+    ref_opt = torch.optim.AdamW([p], lr=train.lr)
+    ref = torch.optim.lr_scheduler.CosineAnnealingLR(ref_opt, T_max=15, eta_min=train.lr / 10)
+    for step in range(15):
+        assert expert_lr(step, 15, train) == pytest.approx(ref.get_last_lr()[0], rel=1e-9), step
+        ref_opt.step()
+        ref.step()
+    opt = make_optimizer([("p", p)], ClientState(adapters={}), "experts", train)
+    assert opt.defaults["betas"] == (0.9, 0.95) and opt.defaults["weight_decay"] == 0.01
+    assert train.grad_clip == 0 and train.warmup_frac == 0

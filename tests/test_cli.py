@@ -66,6 +66,56 @@ def test_bad_inputs_name_the_culprit(tmp_path, capsys):
     assert "seq_len 100000 is longer than" in capsys.readouterr().err
 
 
+def test_bad_inputs_fail_before_the_model_loads_and_leave_no_run_directory(tmp_path, capsys, monkeypatch):
+    import comix.models
+    monkeypatch.setattr(comix.models, "load_base_model", lambda *a, **k: pytest.fail("model loaded"))
+    run = tmp_path / "run"
+    assert main(["run", "model=/nonexistent/model", "corpus=topics", f"run_dir={run}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "model: /nonexistent/model does not exist" in err and len(err.splitlines()) == 1
+    (tmp_path / "empty").mkdir()
+    assert main(["run", "model=tiny-llama", f"corpus={tmp_path / 'empty'}", f"run_dir={run}"]) == 2
+    assert "has no client sub-directories" in capsys.readouterr().err
+    assert not run.exists()
+
+
+def test_version_and_run_help_lists_methods_and_keys(capsys):
+    from comix import __version__
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert __version__ in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    out = capsys.readouterr().out
+    assert "comigs-1g1s" in out and "fedavg-moe" in out and "train: rounds=" in out and "dropout=" in out
+
+
+def test_ctrl_c_names_the_resume_command(tmp_path, capsys, monkeypatch):
+    import comix.cli
+    data = _user_dirs(tmp_path / "data")
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(comix.cli, "run_spec", interrupted)
+    assert main(["run", f"corpus={data}", f"run_dir={tmp_path / 'run'}", *TINY]) == 130
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # after the rich header, one line, no traceback
+    assert last == f"comix: interrupted; continue with: comix run --resume {tmp_path / 'run'}"
+
+
+def test_base_model_dropout_is_a_config_value_for_every_architecture():
+    import torch
+    from comix.models import load_base_model
+    x = torch.randint(0, 256, (2, 16))
+    for spec in ("tiny-gpt2", "tiny-llama"):
+        for p, same in ((0.0, True), (0.5, False)):
+            model, _ = load_base_model(spec, dropout=p)
+            model.train()
+            with torch.no_grad():
+                assert torch.equal(model(input_ids=x).logits, model(input_ids=x).logits) == same, (spec, p)
+    gpt2 = load_base_model("tiny-gpt2")[0]
+    assert gpt2.config.resid_pdrop == 0.0 and gpt2.config.attn_pdrop == 0.0  # HF's 0.1 overridden
+
+
 def test_configs_in_repo_all_load():
     from pathlib import Path
     files = sorted(Path(__file__).parents[1].joinpath("configs").rglob("*.yaml"))

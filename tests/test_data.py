@@ -105,6 +105,14 @@ def test_ood_mixture_and_quantity_skew(tok):
         make_user_data(corpus, tok, SplitConfig(train_tokens=[10**9, 1, 1]))
 
 
+def test_ood_mixture_shares_stay_equal_when_the_cap_exceeds_the_smallest_category(tok):
+    corpus = _toy_corpus()
+    corpus[next(iter(corpus))] = corpus[next(iter(corpus))][:6]  # one small category
+    users = make_user_data(corpus, tok, SplitConfig(mode="ood", test_tokens=10**7))
+    smallest = min(len(make_user_data(corpus, tok, SplitConfig(mode="in"))[i].test) for i in range(len(corpus)))
+    assert len(users[0].test) == smallest * len(corpus)  # n equal shares of the smallest split
+
+
 def test_seq_len_longer_than_split(tok):
     users = make_user_data(_toy_corpus(), tok, SplitConfig(test_tokens=50))
     with pytest.raises(ValueError, match="seq_len 64 is longer than user 'alpha'.s test split"):

@@ -44,8 +44,8 @@ def tiny_model(spec: str, seed: int = 0):
 
     common = dict(vocab_size=257, bos_token_id=256, eos_token_id=256)
     if spec == "tiny-gpt2":
-        cfg = GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=256, n_inner=64,
-                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common)
+        # HF's GPT-2 dropouts (0.1) kept: load_base_model sets the run's `dropout`
+        cfg = GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=256, n_inner=64, **common)
     else:
         cls = LlamaConfig if spec == "tiny-llama" else Qwen2Config
         cfg = cls(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -72,7 +72,7 @@ def smollm2(dtype=torch.float32):
         gguf = _smollm2_gguf()
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        # save_pretrained refuses a GGUF-loaded model until its quantizer is dropped (OFFLINE.md).
+        # save_pretrained refuses a GGUF-loaded model until its quantizer is dropped (docs/offline.md).
         del model.config.quantization_config
         model.hf_quantizer = None
         target.parent.mkdir(parents=True, exist_ok=True)
