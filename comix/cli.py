@@ -31,15 +31,17 @@ def _setup(cfg):
     from .data import check_seq_len, load_corpus, make_user_data, token_table
     from .models import load_base_model
     from .models.base import check_model_spec
+    from .runtime import resolve
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    runtime = resolve(cfg.device, cfg.precision)
     check_model_spec(cfg.model)
     corpus = load_corpus(cfg.corpus)
     model, tok = load_base_model(cfg.model, dropout=cfg.dropout)
     users = make_user_data(corpus, tok, cfg.data)
     check_seq_len(users, cfg.train.seq_len)
-    return model, tok, users, token_table(users)
+    return runtime.prepare_base(model), tok, users, token_table(users)
 
 
 def results_table(results: list[dict], users: list[str]) -> str:
@@ -58,6 +60,7 @@ def run_spec(cfg, spec: str, seed: int, out: Path, model, users, console) -> dic
     from .algorithms import REGISTRY, make_algorithm
     from .compare import spec_config, split_spec
     from .engines import run_method
+    from .runtime import resolve
 
     if (out / "results.json").exists():  # finished earlier: keep it
         res = json.loads((out / "results.json").read_text())
@@ -76,7 +79,8 @@ def run_spec(cfg, spec: str, seed: int, out: Path, model, users, console) -> dic
         text = yaml.safe_dump(to_dict(cfg), sort_keys=False)
         atomic_write(recipe, lambda p: Path(p).write_text(text))
         console.print(f"{spec}: Flower simulation (Ray on 127.0.0.1) with {n_clients} virtual devices")
-        res = simulate(recipe, spec, out.parent, n_clients, seed=seed, cpus=cfg.threads or None)
+        res = simulate(recipe, spec, out.parent, n_clients, seed=seed, cpus=cfg.threads or None,
+                       gpus=cfg.gpus_per_client)
         if not cfg.keep_checkpoints:
             (out / "checkpoint.pt").unlink(missing_ok=True)
         return res
@@ -93,7 +97,7 @@ def run_spec(cfg, spec: str, seed: int, out: Path, model, users, console) -> dic
             bar.console.log(f"{label} {info} ({p['seconds']:.0f}s)")
 
         res = run_method(algo, model, users, out, seed=seed, resume=True, offload=mcfg.offload, progress=progress,
-                         keep_checkpoints=mcfg.keep_checkpoints)
+                         keep_checkpoints=mcfg.keep_checkpoints, runtime=resolve(cfg.device, cfg.precision))
         bar.update(task, completed=bar.tasks[0].total)
     return res
 
@@ -138,7 +142,8 @@ def cmd_run(args) -> int:
 
     console = _console()
     cfg, run_dir, model, _, users, table = _prepare(args, "")
-    console.print(f"[bold]comix run[/] {run_dir}  model={cfg.model} corpus={cfg.corpus}\n{table}")
+    console.print(f"[bold]comix run[/] {run_dir}  model={cfg.model} corpus={cfg.corpus} "
+                  f"device={model.device} precision={cfg.precision}\n{table}")
     results = [run_spec(cfg, spec, cfg.seed, run_dir / spec_dirname(spec), model, users, console)
                for spec in cfg.methods]
     md = results_table(results, [u.name for u in users])
@@ -241,13 +246,17 @@ def cmd_ppl(args) -> int:
     from .data import SplitConfig, builtin, make_user_data
     from .eval import perplexity
     from .models import load_base_model
+    from .runtime import resolve
 
+    runtime = resolve(args.device, args.precision)
     model, tok = load_base_model(args.model)
+    model = runtime.prepare_base(model)
     print(f"| corpus | user | test tokens | perplexity ({args.model}) |\n|---|---|---|---|")
     for corpus in args.corpus:
         users = make_user_data(builtin(corpus), tok, SplitConfig(test_tokens=args.test_tokens or None))
         for u in users:
-            ppl = perplexity(model, u.test, args.seq_len, args.batch_size)
+            with runtime.autocast():
+                ppl = perplexity(model, u.test, args.seq_len, args.batch_size)
             print(f"| {corpus} | {u.name} | {len(u.test)} | {ppl:.2f} |", flush=True)
     return 0
 
@@ -302,6 +311,8 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--test-tokens", type=int, default=0, help="cap per user (0 = the whole test split)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
     c = sub.add_parser("compare", help="methods x seeds grid: Table 1/5-style tables and learning curves")
     c.add_argument("config", nargs="?", help="YAML recipe (see configs/)")
     c.add_argument("overrides", nargs="*", help="key=value overrides for every run")

@@ -50,8 +50,9 @@ def spec_config(cfg: RunConfig, spec: str) -> RunConfig:
         if "=" not in item:
             raise ConfigError(f"method {spec!r}: option {item!r} must look like key=value")
         key, value = item.split("=", 1)
-        if key.split(".")[0] in ("data", "model", "corpus", "seed", "seeds", "methods", "run_dir"):
-            raise ConfigError(f"method {spec!r}: option {key!r} would change the data or the grid; "
+        if key.split(".")[0] in ("data", "model", "corpus", "seed", "seeds", "methods", "run_dir", "device",
+                                 "precision", "dropout"):
+            raise ConfigError(f"method {spec!r}: option {key!r} would change the data, the base model or the grid; "
                               "set it for the whole run instead")
         if "." not in key:
             if not section:

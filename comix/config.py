@@ -64,6 +64,9 @@ class RunConfig:
     seeds: list[int] = field(default_factory=list)  # `comix compare`: the seeds of the grid (default [seed])
     run_dir: str = ""                  # default: runs/<corpus>-<timestamp>
     threads: int = 0                   # torch threads; 0 = torch's default
+    device: str = "auto"               # auto (CUDA when present) | cpu | cuda | cuda:N
+    precision: str = "fp32"            # fp32 | bf16 | fp16 (comix/runtime.py: fp32 adapter masters)
+    gpus_per_client: float = 0.0       # Flower simulation: GPU share of each virtual device (num_gpus)
     offload: bool = False              # keep idle clients' states on disk
     keep_checkpoints: bool = False     # keep checkpoint.pt and client states after a method finishes
     engine: str = "inprocess"          # inprocess | flower-sim (Flower's Ray simulation, comix[flower-sim])
@@ -95,6 +98,13 @@ class RunConfig:
             raise ConfigError(f"train.router_steps must be >= 0, got {t.router_steps}")
         if not t.eval_splits or any(s not in ("valid", "test") for s in t.eval_splits):
             raise ConfigError(f"train.eval_splits must list valid and/or test, got {t.eval_splits}")
+        from .runtime import PRECISIONS
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:") and self.device[5:].isdigit()):
+            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if not 0.0 <= self.gpus_per_client <= 1.0:
+            raise ConfigError(f"gpus_per_client must be in [0, 1], got {self.gpus_per_client}")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
         if len(t.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in t.betas):

@@ -26,6 +26,7 @@ from torch import nn
 
 from ..data import UserData, sample_batch
 from ..models import AdapterConfig, LoRAConfig, load_balance_loss, mixtures, param_role
+from ..runtime import Runtime, to_cpu
 
 Tensors = dict[str, torch.Tensor]
 
@@ -84,11 +85,13 @@ class ClientState:
 @dataclass
 class ClientContext:
     """What the engine hands a client for its turn: the model with this client's architecture
-    (frozen base shared by all clients), its private data and the run's training config."""
+    (frozen base shared by all clients, on the run's device), its private data, the run's
+    training config and where/in which precision it computes (``Runtime``)."""
     client: int
     model: nn.Module
     data: UserData | list[UserData]
     train: TrainConfig
+    runtime: Runtime = field(default_factory=Runtime)
 
 
 def tensor_bytes(tensors: Tensors) -> int:
@@ -214,6 +217,7 @@ class Algorithm:
         """``local_steps`` expert iterations with AdamW; returns the training losses."""
         params = self.train_params(ctx.model)
         opt = make_optimizer(params, state, "experts", self.train)
+        scaler = ctx.runtime.grad_scaler()
         total = self.train.rounds * self.train.local_steps
         losses = []
         for _ in range(self.train.local_steps):
@@ -223,12 +227,12 @@ class Algorithm:
             loss = lm_loss(ctx.model, x, y)
             total_loss = (loss + self.train.lb_weight * model_load_balance(ctx.model, self.train.load_balance)
                           + self.regularizer(ctx, state))
-            step_on(total_loss, [p for _, p in params], opt, self.train.grad_clip)
-            losses.append(loss.item())
+            step_on(total_loss, [p for _, p in params], opt, self.train.grad_clip, scaler)
+            losses.append(loss.detach())
             state.step += 1
             self.after_expert_step(ctx, state, gen)
-        state.optimizers["experts"] = opt.state_dict()
-        return losses
+        state.optimizers["experts"] = to_cpu(opt.state_dict())
+        return torch.stack(losses).tolist()  # one device sync per round, not one per step
 
     def after_expert_step(self, ctx: ClientContext, state: ClientState, gen: torch.Generator) -> None:
         """Hook for algorithms that interleave other updates (CoMiGS's router steps)."""
@@ -243,7 +247,8 @@ class Algorithm:
 
 # -- helpers shared by algorithms and engines ------------------------------------------------------
 def adapter_tensors(model: nn.Module) -> Tensors:
-    return {n: p.detach().clone() for n, p in model.named_parameters() if param_role(n) != "base"}
+    """A CPU copy of every adapter tensor (client states live on the CPU between turns)."""
+    return {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if param_role(n) != "base"}
 
 
 def load_adapters(model: nn.Module, adapters: Tensors) -> None:
@@ -272,21 +277,32 @@ def make_optimizer(params, state: ClientState, key: str, train: TrainConfig, lr:
     return opt
 
 
-def step_on(loss: torch.Tensor, params: list[nn.Parameter], opt: torch.optim.Optimizer, clip: float) -> None:
+def step_on(loss: torch.Tensor, params: list[nn.Parameter], opt: torch.optim.Optimizer, clip: float,
+            scaler: "torch.amp.GradScaler | None" = None) -> None:
     """Gradients of ``loss`` w.r.t. ``params`` only (torch.autograd.grad), so no other
     parameter receives or keeps a gradient: the router step cannot leak validation data into
-    experts and router gradients cannot accumulate between updates (DESIGN.md's reference bugs)."""
-    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    experts and router gradients cannot accumulate between updates (DESIGN.md's reference bugs).
+    ``scaler``: fp16's dynamic loss scale (a step with inf/NaN gradients is skipped)."""
+    grads = torch.autograd.grad(scaler.scale(loss) if scaler else loss, params, allow_unused=True)
     for p, g in zip(params, grads):
         p.grad = torch.zeros_like(p) if g is None else g
+    if scaler:
+        scaler.unscale_(opt)
     if clip:
         torch.nn.utils.clip_grad_norm_(params, clip)
-    opt.step()
+    if scaler:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
     for p in params:
         p.grad = None
 
 
 def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy; the batch (sampled on the CPU) moves to the model's device."""
+    device = model.get_input_embeddings().weight.device
+    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
     logits = model(input_ids=x).logits
     return nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
 

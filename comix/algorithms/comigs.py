@@ -20,6 +20,7 @@ import re
 
 from ..data import sample_batch
 from ..models import AdapterConfig, LoRAConfig
+from ..runtime import to_cpu
 from .base import (Algorithm, ClientContext, ClientState, TrainConfig, lm_loss, make_optimizer,
                    model_load_balance, router_params, step_on)
 
@@ -69,10 +70,11 @@ class CoMiGS(Algorithm):
             return
         params = [p for _, p in router_params(ctx.model)]
         opt = make_optimizer(router_params(ctx.model), state, "router", self.train, lr=self.train.router_lr)
+        scaler = ctx.runtime.grad_scaler()
         for _ in range(self.train.router_steps):
             split = ctx.data.valid if self.router_update == "valid" else ctx.data.train
             x, y = sample_batch(split, self.train.batch_size, self.train.seq_len, gen)
             loss = lm_loss(ctx.model, x, y) + self.train.lb_weight * model_load_balance(
                 ctx.model, self.train.load_balance)
-            step_on(loss, params, opt, self.train.grad_clip)
-        state.optimizers["router"] = opt.state_dict()
+            step_on(loss, params, opt, self.train.grad_clip, scaler)
+        state.optimizers["router"] = to_cpu(opt.state_dict())

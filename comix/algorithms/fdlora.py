@@ -25,6 +25,7 @@ import torch
 from ..data import sample_batch
 from ..models import AdapterConfig, LoRAConfig, param_role
 from ..models.lora import LoRALinear
+from ..runtime import to_cpu
 from .base import (Algorithm, ClientContext, ClientState, Tensors, adapter_tensors, average, load_adapters,
                    lm_loss, make_optimizer, expert_lr, step_on)
 
@@ -77,6 +78,7 @@ class FDLoRA(Algorithm):
         groups = {"global": [(n, p) for n, p in named if param_role(n) != "personal_lora"],
                   "personal": [(n, p) for n, p in named if param_role(n) == "personal_lora"]}
         opts = {k: make_optimizer(ps, state, k, self.train) for k, ps in groups.items()}
+        scaler = ctx.runtime.grad_scaler()
         total = self.train.rounds * self.train.local_steps
         losses = []
         for _ in range(self.train.local_steps):
@@ -86,11 +88,11 @@ class FDLoRA(Algorithm):
                 g["lr"] = expert_lr(state.step, total, self.train)
             x, y = self.train_batch(ctx, gen)
             loss = lm_loss(ctx.model, x, y)
-            step_on(loss, [p for _, p in groups[which]], opts[which], self.train.grad_clip)
+            step_on(loss, [p for _, p in groups[which]], opts[which], self.train.grad_clip, scaler)
             losses.append(loss.item())
             state.step += 1
         set_fusion(ctx.model, state.extra.get("fusion", START))
-        state.optimizers.update({k: o.state_dict() for k, o in opts.items()})
+        state.optimizers.update({k: to_cpu(o.state_dict()) for k, o in opts.items()})
         return losses
 
     def fuse(self, ctx: ClientContext, state: ClientState) -> tuple[float, float]:

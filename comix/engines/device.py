@@ -11,6 +11,7 @@ Private state (adapters incl. specialists and routers, optimizer moments, RNG) l
 """
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -25,6 +26,7 @@ from ..data import UserData
 from ..eval import perplexity
 from ..models import mixtures, routing_stats, set_record_stats
 from ..models.lora import LoRALinear, LoRAWeights
+from ..runtime import Runtime
 
 
 def atomic_write(path: Path, write: Callable[[str], None]) -> None:
@@ -41,17 +43,25 @@ def atomic_write(path: Path, write: Callable[[str], None]) -> None:
 
 
 def fresh_adapters(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
-    """Re-initialise every adapter of ``model`` from ``seed`` and return them."""
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
+    """Re-initialise every adapter of ``model`` from ``seed`` and return them (CPU copies). The
+    random draws happen on the CPU, so a run starts from the same adapters on every device."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def kaiming(p: torch.Tensor) -> None:  # nn.Linear's / PEFT's init: kaiming_uniform(a=sqrt(5))
+        w = torch.empty(p.shape, dtype=torch.float32)
+        nn.init.kaiming_uniform_(w, a=math.sqrt(5), generator=gen)
+        p.data.copy_(w)
+
+    with torch.no_grad():
         for m in model.modules():
             if isinstance(m, LoRAWeights):
-                m.reset_parameters()
+                kaiming(m.lora_A)
+                m.lora_B.zero_()
             if isinstance(m, LoRALinear) and m.lora_fusion is not None:
-                m.lora_fusion.data.fill_(1.0)
+                m.lora_fusion.fill_(1.0)
         for m in mixtures(model):
             if m.router is not None:
-                m.router.reset_parameters()
+                kaiming(m.router.weight)
     return adapter_tensors(model)
 
 
@@ -79,14 +89,17 @@ class StateStore:
         return torch.load(self._path(c), weights_only=False)
 
 
-def evaluate(model: nn.Module, user: UserData, seq_len: int, batch_size: int, splits=("valid", "test")):
-    out = {f"{s}_ppl": perplexity(model, user.tokens(s), seq_len, batch_size) for s in splits}
+def evaluate(model: nn.Module, user: UserData, seq_len: int, batch_size: int, splits=("valid", "test"),
+             runtime: Runtime = Runtime()):
+    with runtime.autocast():
+        out = {f"{s}_ppl": perplexity(model, user.tokens(s), seq_len, batch_size) for s in splits}
     if mixtures(model):  # mean gate per layer and expert on one validation batch
         set_record_stats(model, True)
         rows = max(1, min(4, (len(user.valid) - 1) // seq_len))
-        with torch.no_grad():
+        with torch.inference_mode(), runtime.autocast():
             model.eval()
-            model(input_ids=user.valid[:rows * seq_len].long().reshape(rows, seq_len))
+            batch = user.valid[:rows * seq_len].long().reshape(rows, seq_len).to(runtime.device)
+            model(input_ids=batch)
         out["gates"] = [[round(v, 4) for v in s["mean_gate"].tolist()] for s in routing_stats(model)]
         set_record_stats(model, False)
     return out
@@ -94,9 +107,9 @@ def evaluate(model: nn.Module, user: UserData, seq_len: int, batch_size: int, sp
 
 class Device:
     def __init__(self, algorithm: Algorithm, model: nn.Module, data: UserData | list[UserData], client: int,
-                 seed: int, store: StateStore):
+                 seed: int, store: StateStore, runtime: Runtime = Runtime()):
         self.algorithm, self.model, self.data, self.client = algorithm, model, data, client
-        self.seed, self.store = seed, store
+        self.seed, self.store, self.runtime = seed, store, runtime
 
     def init(self) -> Tensors:
         a, c = self.algorithm, self.client
@@ -107,22 +120,27 @@ class Device:
         return a.upload_of(fresh_adapters(self.model, self.seed))
 
     def context(self) -> ClientContext:
-        return ClientContext(self.client, self.model, self.data, self.algorithm.train)
+        return ClientContext(self.client, self.model, self.data, self.algorithm.train, self.runtime)
 
     def train(self, payload: Tensors) -> tuple[Tensors, dict]:
-        state, upload, metrics = self.algorithm.client_round(self.context(), self.store[self.client], payload)
+        with self.runtime.autocast():
+            state, upload, metrics = self.algorithm.client_round(self.context(), self.store[self.client], payload)
         self.store[self.client] = state
         return upload, metrics
 
     def finish(self, payload: Tensors) -> None:
-        self.store[self.client] = self.algorithm.client_finish(self.context(), self.store[self.client], payload)
+        with self.runtime.autocast():
+            state = self.algorithm.client_finish(self.context(), self.store[self.client], payload)
+        self.store[self.client] = state
 
     def personal_model(self, payload: Tensors) -> nn.Module:
         """The model this client holds after the round: its own state with the new payload applied."""
-        adapters = self.algorithm.personal_adapters(self.context(), self.store[self.client], payload)
+        with self.runtime.autocast():
+            adapters = self.algorithm.personal_adapters(self.context(), self.store[self.client], payload)
         load_adapters(self.model, adapters)
         return self.model
 
     def evaluate(self, payload: Tensors, user: UserData) -> dict:
         t = self.algorithm.train
-        return evaluate(self.personal_model(payload), user, t.seq_len, t.eval_batch_size, t.eval_splits)
+        return evaluate(self.personal_model(payload), user, t.seq_len, t.eval_batch_size, t.eval_splits,
+                        self.runtime)

@@ -19,24 +19,26 @@ from ..algorithms import Algorithm
 from ..algorithms.base import Tensors
 from ..data import UserData
 from ..models import inject_adapters
+from ..runtime import Runtime
 from .device import Device, StateStore, atomic_write, evaluate
 from .server import finish_run, serve
 
 
 class ClientModels:
-    """Models per adapter architecture over one shared frozen base."""
+    """Models per adapter architecture over one shared frozen base (on the run's device; the
+    adapters are created in fp32 there: the master weights of mixed precision)."""
 
-    def __init__(self, base: nn.Module, algorithm: Algorithm):
-        self.base, self.algorithm, self.models = base, algorithm, {}
+    def __init__(self, base: nn.Module, algorithm: Algorithm, runtime: Runtime = Runtime()):
+        self.base, self.algorithm, self.runtime, self.models = base, algorithm, runtime, {}
 
     def for_client(self, client: int) -> nn.Module:
         cfg = self.algorithm.adapter_config(client)
         key = repr(cfg)
         if key not in self.models:
-            model = copy.deepcopy(self.base)
-            for (_, new), (_, old) in zip(model.named_parameters(), self.base.named_parameters()):
-                new.data = old.data  # share the frozen weights, do not copy them
-            self.models[key] = inject_adapters(model, cfg)
+            # the copy reuses the base's frozen tensors themselves (memo): no second copy in memory
+            shared = {id(t): t for t in (*self.base.parameters(), *self.base.buffers())}
+            model = copy.deepcopy(self.base, memo=shared)
+            self.models[key] = inject_adapters(model, cfg).to(self.runtime.device)
         return self.models[key]
 
 
@@ -44,11 +46,12 @@ class InProcess:
     """The transport of ``serve``: direct calls into every client's ``Device``, one at a time."""
 
     def __init__(self, algorithm: Algorithm, base: nn.Module, users: list[UserData], seed: int,
-                 store: StateStore):
-        models = ClientModels(base, algorithm)
+                 store: StateStore, runtime: Runtime = Runtime()):
+        models = ClientModels(base, algorithm, runtime)
         n = 1 if algorithm.pooled else len(users)
         data_of = (lambda c: users) if algorithm.pooled else (lambda c: users[c])
-        self.devices = [Device(algorithm, models.for_client(c), data_of(c), c, seed, store) for c in range(n)]
+        self.devices = [Device(algorithm, models.for_client(c), data_of(c), c, seed, store, runtime)
+                        for c in range(n)]
         self.users, self.store, self.pooled = users, store, algorithm.pooled
 
     def init(self) -> dict[int, Tensors]:
@@ -86,21 +89,22 @@ def save_adapters(store: StateStore, clients: dict[int, str], directory: Path) -
 
 def run_method(algorithm: Algorithm, base: nn.Module, users: list[UserData], out_dir: Path,
                seed: int = 42, resume: bool = False, offload: bool = False,
-               progress: Callable[[dict], None] | None = None, keep_checkpoints: bool = False) -> dict:
+               progress: Callable[[dict], None] | None = None, keep_checkpoints: bool = False,
+               runtime: Runtime = Runtime()) -> dict:
     """Run one method to the end on this machine; writes metrics.jsonl, results.json and the final
     adapters (adapters/<user>.safetensors). checkpoint.pt (and, with ``offload``, the client
     states) hold what resume needs while it runs; they are deleted when the method finishes
-    unless ``keep_checkpoints``."""
+    unless ``keep_checkpoints``. ``base`` is on ``runtime.device`` already (``Runtime.prepare_base``)."""
     names = [u.name for u in users]
     if not algorithm.trains:  # Pretrained: the frozen base on every user's splits
         t = algorithm.train
-        per_user = {u.name: evaluate(base, u, t.seq_len, t.eval_batch_size, t.eval_splits) for u in users}
+        per_user = {u.name: evaluate(base, u, t.seq_len, t.eval_batch_size, t.eval_splits, runtime) for u in users}
         return finish_run(out_dir, algorithm, names, per_user, bytes_up=0, rounds=0)
     if offload and not (resume and (out_dir / "checkpoint.pt").exists()):
         for stale in (out_dir / "clients").glob("client*.pt"):  # a fresh run starts from scratch
             stale.unlink()
     store = StateStore(out_dir / "clients" if offload else None)
-    transport = InProcess(algorithm, base, users, seed, store)
+    transport = InProcess(algorithm, base, users, seed, store, runtime)
     result = serve(algorithm, transport, names, out_dir, seed=seed, resume=resume, progress=progress)
     owners = {0: "all-users"} if algorithm.pooled else dict(enumerate(names))
     save_adapters(store, owners, out_dir / "adapters")

@@ -3,7 +3,8 @@
 Node config (``flower-supernode --node-config``): ``client-id`` (this device's index in the
 run), ``data`` (a directory holding this user's ``.txt``/``.jsonl`` files, or a corpus: a
 built-in name or a directory of user folders, with ``user`` naming the folder) and
-``state-dir`` (where private state persists). Every message starts a fresh process, so the
+``state-dir`` (where private state persists); optional ``device`` (this node's accelerator,
+e.g. ``cuda:1``; default: the recipe's ``device``). Every message starts a fresh process, so the
 device rebuilds base model (from the safetensors cache), data (token cache) and algorithm from
 the run description the server sends, and keeps its private state in files keyed by client id
 and round: a train message for round r starts from the state after round r - 1, so a round the
@@ -26,6 +27,7 @@ from ...config import load_config
 from ...data import load_corpus, make_user_data
 from ...data.corpora import user_folder
 from ...models import load_base_model
+from ...runtime import resolve
 from ..device import Device, StateStore, atomic_write
 from ..inprocess import ClientModels
 from .wire import from_arrays, from_json, to_arrays, to_json
@@ -97,12 +99,14 @@ def device_for(msg: Message, context: Context, read: int, write: int) -> Device:
     algo = make_algorithm(name, mcfg.lora, mcfg.train, run["n_clients"], **mcfg.options(name))
     if REGISTRY[name][0].pooled or not algo.trains:
         raise ValueError(f"method {name} does not run on devices")
-    base, _ = load_base_model(cfg.model)
+    # each SuperNode computes on its own device: node config `device` (e.g. cuda:1) or the recipe's
+    runtime = resolve(str(node.get("device", cfg.device)), cfg.precision)
+    base = runtime.prepare_base(load_base_model(cfg.model, dropout=cfg.dropout)[0])
     key = hashlib.sha1(f"{run['config']}|{run['method']}|{run['seed']}".encode()).hexdigest()[:12]
     state_dir = node.get("state-dir") or run.get("state_dir") or "comix-device-state"
     store = RoundStore(Path(str(state_dir)) / key, read, write)
-    return Device(algo, ClientModels(base, algo).for_client(client), node_user(cfg, node, client), client,
-                  run["seed"], store)
+    return Device(algo, ClientModels(base, algo, runtime).for_client(client), node_user(cfg, node, client), client,
+                  run["seed"], store, runtime)
 
 
 def _round(msg: Message) -> int:

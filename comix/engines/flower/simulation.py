@@ -21,12 +21,14 @@ import sys
 from pathlib import Path
 
 def simulate(config: str | Path, method: str, run_dir: str | Path, clients: int, seed: int = -1,
-             cpus: int | None = None, state_dir: str | Path | None = None) -> dict:
-    """Run one method spec of a recipe on ``clients`` virtual devices; returns results.json."""
+             cpus: int | None = None, state_dir: str | Path | None = None, gpus: float = 0.0) -> dict:
+    """Run one method spec of a recipe on ``clients`` virtual devices; returns results.json.
+    ``gpus``: each virtual device's share of a GPU (Flower's ``client_resources.num_gpus``; 0.25
+    lets four devices train at once on one GPU; 0 = CPU only)."""
     from ...compare import spec_dirname
 
     run = {"config": str(config), "method": method, "run-dir": str(run_dir), "clients": clients, "seed": seed,
-           "state-dir": str(state_dir or Path(run_dir) / "device-state"), "cpus": cpus or os.cpu_count() or 1}
+           "state-dir": str(state_dir or Path(run_dir) / "device-state"), "cpus": cpus or os.cpu_count() or 1, "gpus": gpus}
     if not (shutil.which("unshare") and shutil.which("ip")):
         raise RuntimeError("engine=flower-sim needs `unshare` and `ip` (util-linux, iproute2) to keep Ray on loopback")
     inner = 'ip link set lo up && exec "$0" -m comix.engines.flower.simulation "$1"'
@@ -50,7 +52,7 @@ def _simulate_here(run: dict) -> None:
     os.environ[RUN_ENV] = json.dumps(run)
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     run_simulation(server_app=server_app.app, client_app=client_app.app, num_supernodes=int(run["clients"]),
-                   backend_config={"client_resources": {"num_cpus": 1},
+                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": float(run.get("gpus", 0.0))},
                                    "init_args": {"_node_ip_address": "127.0.0.1", "include_dashboard": False,
                                                  "num_cpus": int(run["cpus"])}})
 

@@ -1,0 +1,78 @@
+"""Where and in which precision a run computes: ``device`` and ``precision`` of the run config.
+
+* ``device``: ``auto`` (CUDA when present, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``.
+* ``precision``: ``fp32``; ``bf16`` (the usual choice on GPUs since Ampere): the frozen base
+  weights are stored in bfloat16 and forward passes run under ``torch.autocast`` in bfloat16,
+  while every trainable adapter keeps an fp32 master copy and AdamW keeps fp32 moments, so
+  small LoRA updates are not lost to bf16's 8-bit mantissa (as PEFT + Trainer do with
+  ``bf16=True``); ``fp16``: the same with float16 and a dynamic loss scale (CUDA only; fp16's
+  range needs the scaling, bf16's does not).
+Client states, uploads and payloads always live on the CPU between turns: device memory holds
+the shared frozen base and the one client that is training.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Runtime:
+    device: torch.device = torch.device("cpu")
+    precision: str = "fp32"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype of forward passes and the storage dtype of frozen base weights."""
+        return PRECISIONS[self.precision]
+
+    def autocast(self):
+        if self.precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def grad_scaler(self) -> "torch.amp.GradScaler | None":
+        """A dynamic loss scale for fp16 (None otherwise)."""
+        return torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
+
+    def prepare_base(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Move the frozen base model to the device, in the compute dtype."""
+        return model.to(device=self.device, dtype=self.dtype)
+
+
+def resolve(device: str = "auto", precision: str = "fp32") -> Runtime:
+    """A Runtime from the config's strings, with a one-line error naming the bad value."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: no CUDA device is available here (use device=cpu or auto)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+    if precision == "fp16" and dev.type != "cuda":
+        raise ValueError("precision fp16 needs a CUDA device (on the CPU use bf16 or fp32)")
+    return Runtime(dev, precision)
+
+
+def to_cpu(obj):
+    """``obj`` (tensors in dicts / lists, e.g. an optimizer's state_dict) with every tensor on the
+    CPU: what stays with a client between turns never holds device memory."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to("cpu")
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
