@@ -145,7 +145,7 @@ def sample_batch(tokens: torch.Tensor, batch_size: int, seq_len: int, generator:
     """Random windows as in nanoGPT: inputs x and next-token targets y, each (batch, seq_len)."""
     if len(tokens) < seq_len + 1:
         raise ValueError(f"seq_len {seq_len} is longer than the split ({len(tokens)} tokens)")
-    ix = torch.randint(len(tokens) - seq_len, (batch_size,), generator=generator)
+    ix = torch.randint(len(tokens) - seq_len, (batch_size,), generator=generator, device=generator.device)
     x = torch.stack([tokens[i:i + seq_len] for i in ix.tolist()]).long()
     y = torch.stack([tokens[i + 1:i + 1 + seq_len] for i in ix.tolist()]).long()
     return x, y
