@@ -90,9 +90,9 @@ def run_spec(cfg, spec: str, seed: int, out: Path, model, users, console) -> dic
         task = bar.add_task(label, total=mcfg.train.rounds if algo.trains else 1, info="")
 
         def progress(p):
-            ppl = [f"{x:.1f}" for x in p["test_ppl"] if x is not None]
-            info = f"round {p['round']}/{p['rounds']} loss {p['train_loss']:.3f}" + (
-                f" test ppl {' '.join(ppl)}" if ppl else "")
+            ppl = [x for x in p["test_ppl"] if x is not None]
+            shown = " ".join(f"{x:.1f}" for x in ppl) if len(ppl) <= 8 else f"mean {sum(ppl) / len(ppl):.2f}"
+            info = f"round {p['round']}/{p['rounds']} loss {p['train_loss']:.3f}" + (f" test ppl {shown}" if ppl else "")
             bar.update(task, completed=p["round"], info=info)
             bar.console.log(f"{label} {info} ({p['seconds']:.0f}s)")
 

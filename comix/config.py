@@ -94,6 +94,9 @@ class RunConfig:
         for key in ("rounds", "local_steps", "batch_size", "seq_len", "tau", "eval_every", "eval_batch_size"):
             if getattr(t, key) < 1:
                 raise ConfigError(f"train.{key} must be >= 1, got {getattr(t, key)}")
+        if t.clients_per_round < 0 or not 0 < t.client_fraction <= 1:
+            raise ConfigError(f"train.clients_per_round must be >= 0 and train.client_fraction in (0, 1], "
+                              f"got {t.clients_per_round} and {t.client_fraction}")
         if t.router_steps < 0:
             raise ConfigError(f"train.router_steps must be >= 0, got {t.router_steps}")
         if not t.eval_splits or any(s not in ("valid", "test") for s in t.eval_splits):

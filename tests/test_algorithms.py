@@ -315,7 +315,9 @@ def test_offloaded_client_states_give_the_same_numbers(setup, tmp_path):
     from safetensors.torch import load_file
     saved = load_file(tmp_path / "mem" / "adapters" / "b.safetensors")
     assert any(param_role(n) == "specialist" for n in saved) and len(list((tmp_path / "mem" / "adapters").iterdir())) == 3
-    assert sorted(p.name for p in (tmp_path / "disk" / "clients").iterdir()) == ["client0.pt", "client1.pt", "client2.pt"]
+    # one file per client and round, the previous round's kept (resume reads the checkpointed one)
+    assert sorted(p.name for p in (tmp_path / "disk" / "clients").iterdir()) == [
+        f"client{c}.round{r}.pt" for c in range(3) for r in (1, 2)]
 
 
 def test_expert_schedule_and_optimizer_follow_the_authors_code():

@@ -24,12 +24,11 @@ class Faulty(InProcess):
 
     def __init__(self, *a, fault: str):
         super().__init__(*a)
-        self.fault, self.round, self.aggregates = fault, 0, []
+        self.fault, self.aggregates = fault, []
 
     def train(self, payloads):
-        self.round += 1
         self.aggregates.append(payloads)
-        replies = super().train(payloads)
+        replies = super().train(payloads)  # counts the round
         if self.round == 1:
             upload, metrics = replies[1]
             name = next(iter(upload))

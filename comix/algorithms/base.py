@@ -67,6 +67,8 @@ class TrainConfig:
     router_steps: int = 10          # router steps each period, on validation batches
     lb_weight: float = 0.01         # lambda in eq. 7-8
     load_balance: str = "uniform"   # none | uniform | generalist (eq. 10)
+    clients_per_round: int = 0      # clients sampled each round; 0 = client_fraction of them
+    client_fraction: float = 1.0    # (1.0: full participation, as in the papers)
     eval_every: int = 1             # evaluate valid/test perplexity every k rounds (and the last)
     eval_batch_size: int = 8
     eval_splits: list[str] = field(default_factory=lambda: ["valid", "test"])

@@ -7,7 +7,14 @@ documents. Three setups:
   * ``ood`` (out-of-distribution): user i trains on category i, but validates and tests on a
     uniform mixture of all categories (equal tokens from each, so a cap larger than n times the
     smallest category's split gives fewer tokens, never unequal shares);
-  * quantity skew: ``train_tokens`` gives each user a training-token budget (e.g. high/low x4).
+  * quantity skew: ``train_tokens`` gives each user a training-token budget (e.g. high/low x4);
+  * many clients (``clients`` = N > 0): label skew over the categories as in Hsu et al. (2019):
+    client i's mixture of categories p_i ~ Dirichlet(alpha * 1_C) (small alpha: one or two
+    categories per client; large alpha: near-uniform), with ``client_train_tokens`` training
+    tokens (default: an equal share of 90 % of the corpus) handed out from each category's token
+    stream in order, disjoint until a category is used up. Its valid/test splits mix the
+    categories in the same proportions (``valid_tokens`` / ``test_tokens``, default 2048;
+    windows at seeded offsets of each category's split).
 """
 from __future__ import annotations
 
@@ -32,8 +39,15 @@ class SplitConfig:
     test_tokens: int | None = None         # cap per user; perplexity runs over the whole capped split
     seed: int = 0                          # document-split seed (independent of the training seed)
     users: list[str] | None = None         # categories to use, in user order (default: all)
+    clients: int = 0                       # > 0: that many clients with Dirichlet mixtures of the categories
+    alpha: float = 1.0                     # Dirichlet concentration of those mixtures
+    client_train_tokens: int | None = None  # training tokens per client (default: an equal share)
 
     def __post_init__(self):
+        if self.clients < 0 or self.alpha <= 0 or (self.client_train_tokens is not None and self.client_train_tokens < 2):
+            raise ValueError("data.clients must be >= 0, data.alpha > 0 and data.client_train_tokens >= 2")
+        if self.clients and (self.mode != "in" or self.train_tokens is not None):
+            raise ValueError("data.clients (a Dirichlet partition) takes neither data.mode=ood nor data.train_tokens")
         if self.mode not in ("in", "ood"):
             raise ValueError(f"data.mode must be 'in' or 'ood', got {self.mode!r}")
         if not (0 < self.valid_frac < 1 and 0 < self.test_frac < 1 and self.valid_frac + self.test_frac < 1):
@@ -104,6 +118,8 @@ def make_user_data(corpus: Corpus, tokenizer, cfg: SplitConfig | None = None) ->
         tr, va, te = _split_docs(corpus[n], cfg, n)
         parts[n] = {"train": tokenize_docs(tr, tokenizer), "valid": tokenize_docs(va, tokenizer),
                     "test": tokenize_docs(te, tokenizer)}
+    if cfg.clients:
+        return dirichlet_clients(parts, cfg)
     users = []
     for i, n in enumerate(names):
         train = parts[n]["train"]
@@ -125,8 +141,59 @@ def make_user_data(corpus: Corpus, tokenizer, cfg: SplitConfig | None = None) ->
     return users
 
 
+def dirichlet_mixtures(n_clients: int, n_categories: int, alpha: float, rng: torch.Generator) -> torch.Tensor:
+    """(clients, categories): row i ~ Dirichlet(alpha * 1_C), client i's mixture of categories."""
+    concentration = torch.full((n_clients, n_categories), float(alpha), dtype=torch.float64)
+    gammas = torch._standard_gamma(concentration, generator=rng).clamp_min(1e-300)
+    return gammas / gammas.sum(1, keepdim=True)
+
+
+def dirichlet_clients(parts: dict[str, dict[str, torch.Tensor]], cfg: SplitConfig) -> list[UserData]:
+    """``cfg.clients`` clients with Dirichlet(alpha) mixtures of the categories (Hsu et al. 2019)."""
+    names, n = list(parts), cfg.clients
+    total = sum(len(parts[c]["train"]) for c in names)
+    budget = cfg.client_train_tokens or int(0.9 * total / n)
+    if budget < 2:
+        raise ValueError(f"data.clients = {n}: the corpus's {total:,} training tokens give each client {budget}")
+    rng = torch.Generator().manual_seed(cfg.seed)
+    mixtures = dirichlet_mixtures(n, len(names), cfg.alpha, rng)
+    taken = {c: 0 for c in names}  # each category's stream is handed out in order, disjointly
+    users = []
+    for i in range(n):
+        want = (mixtures[i] * budget).floor().long()
+        want[int(mixtures[i].argmax())] += budget - int(want.sum())  # exactly `budget` tokens
+        pieces = []
+        for k, c in enumerate(names):
+            stream, m = parts[c]["train"], int(want[k])
+            if m == 0:
+                continue
+            # a category handed out completely starts over (tokens then repeat across clients)
+            start = taken[c] % len(stream)
+            idx = (torch.arange(m) + start) % len(stream)
+            pieces.append(stream[idx])
+            taken[c] += m
+        evals = {}
+        for split, cap in (("valid", cfg.valid_tokens or 2048), ("test", cfg.test_tokens or 2048)):
+            eval_pieces = []
+            for k, c in enumerate(names):
+                stream, m = parts[c][split], min(int(round(float(mixtures[i, k]) * cap)), len(parts[c][split]))
+                if m == 0:
+                    continue
+                offset = int(torch.randint(len(stream) - m + 1, (1,), generator=rng))
+                eval_pieces.append(stream[offset:offset + m])
+            evals[split] = torch.cat(eval_pieces)
+        users.append(UserData(f"client{i:0{len(str(n - 1))}d}", torch.cat(pieces), evals["valid"], evals["test"]))
+    return users
+
+
 def token_table(users: list[UserData]) -> str:
-    """Token counts per user and split, laid out like CoMiGS's Table 4."""
+    """Token counts per user and split, laid out like CoMiGS's Table 4 (a summary for many clients)."""
+    if len(users) > 8:
+        rows = [f"{len(users)} clients"]
+        for s in ("train", "valid", "test"):
+            counts = [len(u.tokens(s)) for u in users]
+            rows.append(f"{s.upper():8s} min {min(counts):,}  mean {sum(counts) // len(counts):,}  max {max(counts):,}")
+        return "\n".join(rows)
     head = f"{'':12s}" + "".join(f"{u.name:>12s}" for u in users)
     rows = [f"{s.upper():12s}" + "".join(f"{len(u.tokens(s)):>12,d}" for u in users)
             for s in ("train", "valid", "test")]

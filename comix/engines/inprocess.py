@@ -3,7 +3,9 @@
 One frozen base model is held in memory; each distinct adapter architecture (1GXS users differ)
 gets a model whose frozen tensors *share storage* with that base. For its turn a client's adapters,
 optimizer states and RNG state are loaded, and saved back afterwards, so no state crosses clients.
-With ``offload`` idle clients' states live on disk. The server loop (``engines.server.serve``)
+With ``offload`` idle clients' states live on disk, one file per client and round written
+(so RAM stays flat in the number of clients, and resume finds each client's state after the
+checkpointed round). The server loop (``engines.server.serve``)
 is the one the Flower engine runs too; here its requests are plain calls.
 """
 from __future__ import annotations
@@ -20,7 +22,7 @@ from ..algorithms.base import Tensors
 from ..data import UserData
 from ..models import inject_adapters
 from ..runtime import Runtime
-from .device import Device, StateStore, atomic_write, evaluate
+from .device import Device, RoundStore, StateStore, atomic_write, evaluate
 from .server import finish_run, serve
 
 
@@ -53,26 +55,41 @@ class InProcess:
         self.devices = [Device(algorithm, models.for_client(c), data_of(c), c, seed, store, runtime)
                         for c in range(n)]
         self.users, self.store, self.pooled = users, store, algorithm.pooled
+        self.round = 0
+
+    def _rounds(self, read: int, write: int) -> None:
+        if isinstance(self.store, RoundStore):  # offloaded states are files per client and round
+            self.store.read, self.store.write = read, write
 
     def init(self) -> dict[int, Tensors]:
+        self._rounds(0, 0)
         return {d.client: d.init() for d in self.devices}
 
     def train(self, payloads):
+        self.round += 1
+        self._rounds(self.round - 1, self.round)
         return {c: self.devices[c].train(p) for c, p in payloads.items()}
 
     def finish(self, payloads) -> None:
+        self._rounds(self.round, self.round)
         for c, p in payloads.items():
             self.devices[c].finish(p)
 
     def evaluate(self, payloads) -> dict[str, dict]:
+        self._rounds(self.round, self.round)
         return {u.name: self.devices[0 if self.pooled else i].evaluate(payloads[0 if self.pooled else i], u)
                 for i, u in enumerate(self.users)}
 
     def snapshot(self):
-        return {d.client: self.store[d.client] for d in self.devices}
+        """What resume needs of the clients: in memory, their states; offloaded, the round (each
+        client's files are kept per round, so the states after it are still on disk)."""
+        if isinstance(self.store, RoundStore):
+            return {"round": self.round}
+        return {"round": self.round, "states": {d.client: self.store[d.client] for d in self.devices}}
 
     def restore(self, snapshot) -> None:
-        for c, state in snapshot.items():
+        self.round = snapshot["round"]
+        for c, state in (snapshot.get("states") or {}).items():
             self.store[c] = state
 
 
@@ -103,7 +120,7 @@ def run_method(algorithm: Algorithm, base: nn.Module, users: list[UserData], out
     if offload and not (resume and (out_dir / "checkpoint.pt").exists()):
         for stale in (out_dir / "clients").glob("client*.pt"):  # a fresh run starts from scratch
             stale.unlink()
-    store = StateStore(out_dir / "clients" if offload else None)
+    store = RoundStore(out_dir / "clients", 0, 0) if offload else StateStore()
     transport = InProcess(algorithm, base, users, seed, store, runtime)
     result = serve(algorithm, transport, names, out_dir, seed=seed, resume=resume, progress=progress)
     owners = {0: "all-users"} if algorithm.pooled else dict(enumerate(names))

@@ -1,6 +1,8 @@
 """The server's side of a run, whatever carries the messages: Alg. 1's outer loop.
 
-Each round: every client trains on its payload and replies (upload + metrics); replies that fail
+Each round: the clients sampled for it (all by default; ``train.clients_per_round`` or
+``train.client_fraction`` otherwise, drawn from the run's seed and the round so that both
+engines pick the same) train on their payloads and reply (upload + metrics); replies that fail
 the algorithm's checks (undeclared or missing tensors, wrong shapes, NaN/inf) or never arrive
 are logged and left out, so ``server_round`` aggregates the others (weights renormalised over
 who replied); then the next payloads. After the last round the clients take their final
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -40,6 +43,22 @@ class Transport(Protocol):
     def restore(self, snapshot) -> None: ...
 
 
+def sample_clients(n_clients: int, train, seed: int, rnd: int) -> list[int]:
+    """The clients that train in round ``rnd`` (from 1): all of them by default (the papers' full
+    participation), else ``clients_per_round`` (or ``client_fraction`` of them) drawn uniformly
+    without replacement from a generator seeded by (seed, round)."""
+    k = train.clients_per_round or max(1, round(train.client_fraction * n_clients))
+    if k >= n_clients:
+        return list(range(n_clients))
+    return sorted(random.Random(f"{seed}:{rnd}").sample(range(n_clients), k))
+
+
+def shapes_only(tensors: Tensors) -> Tensors:
+    """Names and shapes of ``tensors`` without their memory (meta tensors): what the server keeps
+    of each client's initial upload to check later uploads against."""
+    return {n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in tensors.items()}
+
+
 def serve(algorithm: Algorithm, transport: Transport, users: list[str], out_dir: Path, seed: int = 42,
           resume: bool = False, progress: Callable[[dict], None] | None = None) -> dict:
     """Run ``algorithm`` to the end; writes metrics.jsonl, checkpoint.pt and results.json."""
@@ -59,25 +78,28 @@ def serve(algorithm: Algorithm, transport: Transport, users: list[str], out_dir:
         atomic_write(metrics_path, lambda p: Path(p).write_text("".join(ln + "\n" for ln in kept)))
     else:
         torch.manual_seed(seed)
-        reference = transport.init()  # each client's initial shared tensors: names and shapes to expect
-        server_state, payloads = algorithm.server_init(reference)
+        initial = transport.init()  # each client's initial shared tensors: names and shapes to expect
+        server_state, payloads = algorithm.server_init(initial)
+        reference = {c: shapes_only(t) for c, t in initial.items()}
+        del initial
         metrics_path.write_text("")
 
     total_up = sum(json.loads(ln).get("bytes_up", 0) for ln in metrics_path.read_text().splitlines())
     for rnd in range(start, train.rounds):
         t0 = time.time()
-        replies = transport.train({c: payloads[c] for c in range(n_clients)})
-        uploads, client_metrics = {}, {}
-        for c in range(n_clients):
+        sampled = sample_clients(n_clients, train, seed, rnd + 1)
+        replies = transport.train({c: payloads[c] for c in sampled})
+        uploads, client_metrics = {}, {c: {"sampled": False, "bytes_up": 0, "bytes_down": 0} for c in range(n_clients)}
+        for c in sampled:
             reply = replies.get(c, "no reply")
             reason = reply if isinstance(reply, str) else algorithm.check_upload(reply[0], reference[c])
             down = tensor_bytes(payloads[c])
             if reason:
                 log.warning("round %d: client %d left out of the aggregate: %s", rnd + 1, c, reason)
-                client_metrics[c] = {"failed": reason, "bytes_up": 0, "bytes_down": down}
+                client_metrics[c] = {"sampled": True, "failed": reason, "bytes_up": 0, "bytes_down": down}
                 continue
             uploads[c] = reply[0]
-            client_metrics[c] = {**reply[1], "bytes_up": tensor_bytes(reply[0]), "bytes_down": down}
+            client_metrics[c] = {"sampled": True, **reply[1], "bytes_up": tensor_bytes(reply[0]), "bytes_down": down}
         if not uploads:
             raise RuntimeError(f"round {rnd + 1}: no client replied with a valid upload")
         server_state, payloads = algorithm.server_round(server_state, uploads)

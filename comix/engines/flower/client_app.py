@@ -28,43 +28,11 @@ from ...data import load_corpus, make_user_data
 from ...data.corpora import user_folder
 from ...models import load_base_model
 from ...runtime import resolve
-from ..device import Device, StateStore, atomic_write
+from ..device import Device, RoundStore
 from ..inprocess import ClientModels
 from .wire import from_arrays, from_json, to_arrays, to_json
 
 app = ClientApp()
-
-
-class RoundStore(StateStore):
-    """Reads the state after round ``read`` (or the newest before it), writes the state after
-    round ``write``; keeps the previous round's file so a re-sent round starts from the right
-    state."""
-
-    def __init__(self, directory: Path, read: int, write: int):
-        super().__init__(directory)
-        self.read, self.write = read, write
-
-    def _file(self, c: int, r: int) -> Path:
-        return self.dir / f"client{c}.round{r}.pt"
-
-    def _latest(self, c: int) -> Path | None:
-        """The newest state at or before round ``read`` (a device that missed rounds while it
-        was down continues from the last one it finished)."""
-        rounds = [int(f.stem.split("round")[1]) for f in self.dir.glob(f"client{c}.round*.pt")] if self.dir.exists() else []
-        done = [r for r in rounds if r <= self.read]
-        return self._file(c, max(done)) if done else None
-
-    def __contains__(self, c: int) -> bool:
-        return self._latest(c) is not None
-
-    def __getitem__(self, c: int) -> ClientState:
-        return torch.load(self._latest(c), weights_only=False)
-
-    def __setitem__(self, c: int, state: ClientState):
-        atomic_write(self._file(c, self.write), lambda p: torch.save(state, p))
-        for old in self.dir.glob(f"client{c}.round*.pt"):
-            if int(old.stem.split("round")[1]) < self.write - 1:
-                old.unlink()
 
 
 def node_user(cfg, node: dict, client: int):
