@@ -75,7 +75,7 @@ class Routing:
 class MixtureOfLoRA(nn.Module):
     """Router + top-k selection + routing statistics; subclasses compute the experts."""
 
-    def __init__(self, d_model: int, n_experts: int, top_k: int):
+    def __init__(self, d_model: int, n_experts: int, top_k: int, linear_router: bool = True):
         super().__init__()
         if not 1 <= n_experts <= 64:
             raise ValueError(f"n_experts must be in 1..64, got {n_experts}")
@@ -83,7 +83,7 @@ class MixtureOfLoRA(nn.Module):
             raise ValueError(f"top_k must be >= 1, got {top_k}")
         self.n_experts, self.top_k = n_experts, min(top_k, n_experts)
         # With one expert there is nothing to route: it gets weight 1 and no router exists.
-        self.router = nn.Linear(d_model, n_experts, bias=False) if n_experts > 1 else None
+        self.router = nn.Linear(d_model, n_experts, bias=False) if n_experts > 1 and linear_router else None
         self.last_routing: Routing | None = None
         self.record_stats = False
         self.stats: dict[str, torch.Tensor] = {}
