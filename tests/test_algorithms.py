@@ -28,17 +28,24 @@ def _train(**kw):
     return TrainConfig(**base)
 
 
+# a pool that 3 clients can share: E * k_c = 6 * 2 = 12 in [N * k_e, N * b] = [6, 12]
+FEDAMOLE_SMALL = dict(pool=6, slots=4)
+
+
 def _algo(name, n=3, experts=None, options=None, **train):
     opts = dict(options or {})
     if experts is not None and name.startswith("comigs"):
         opts["experts"] = experts
+    if "amole" in name or name == "fedmole":
+        opts = {**FEDAMOLE_SMALL, **opts}
     return make_algorithm(name, LoRAConfig(r=4), _train(**train), n, **opts)
 
 
 def _client(algo, model, users, c, seed=0):
     models = ClientModels(model, algo)
     m = models.for_client(c)
-    state = ClientState(adapters=fresh_adapters(m, seed + c), rng=torch.Generator().manual_seed(c).get_state())
+    state = ClientState(adapters=algo.adapters_of(fresh_adapters(m, seed + c)),
+                        rng=torch.Generator().manual_seed(c).get_state())
     return ClientContext(c, m, users[c], algo.train), state
 
 
@@ -55,6 +62,13 @@ EXPECTED_SHARED = {
     "fedavg-moe-tr": {"generalist", "specialist", "attention_lora"},
     "fedavg": LORA, "pcl": LORA, "hetlora": LORA, "flexlora": LORA, "ffa-lora": LORA, "fedsa-lora": LORA,
     "fdlora": LORA,  # the global LoRA only: never the personal one or the fusion weights
+    # shared expert + token projection, the assigned domain experts and RSEA's embeddings
+    "fedamole": {"amole_shared", "amole_router", "domain_expert", "embedding"},
+    "fedamole-h": {"amole_shared", "amole_router", "domain_expert", "embedding"},
+    "fedamole-r": {"amole_shared", "amole_router", "domain_expert"},
+    "fedmole": {"amole_shared", "amole_router", "domain_expert"},
+    "fedamole-a": {"amole_shared", "amole_router", "domain_expert"},
+    "fedamole-s": {"amole_router", "domain_expert", "embedding"},
 }
 NAME_RULE = {"ffa-lora": lambda n: n.endswith("lora_B"), "fedsa-lora": lambda n: n.endswith("lora_A")}
 
@@ -65,19 +79,24 @@ def test_upload_contains_exactly_the_declared_shared_tensors(setup, method):
     # PCL uploads only in its mixing rounds: make round 1 one of them
     algo = _algo(method, experts=[2, 1, 3] if method == "comigs-1gxs" else None,
                  options=dict(start_round=1) if method == "pcl" else None)
-    for c in range(3):
-        ctx, state = _client(algo, model, users, c)
-        state, upload, _ = algo.client_round(ctx, state, {})
-        declared = {n for n in state.adapters if algo.is_shared(n)}
-        assert set(upload) == declared
+    clients = [_client(algo, model, users, c) for c in range(3)]
+    reference = {c: algo.upload_of(state.adapters) for c, (_, state) in enumerate(clients)}
+    server_state, payloads = algo.server_init(reference)  # round 1's payloads, as the server sends them
+    for c, (ctx, state) in enumerate(clients):
+        state, upload, _ = algo.client_round(ctx, state, payloads[c])
+        declared = algo.expected_upload(server_state, c, reference[c])  # FedAMoLE: its assigned experts
+        assert set(upload) == set(declared) and algo.check_upload(upload, declared) is None
         assert all(isinstance(t, torch.Tensor) for t in upload.values())
         roles = {param_role(n) for n in upload}
         assert roles == EXPECTED_SHARED[method]
-        assert "base" not in roles and not roles & {"personal_lora", "fusion"}
+        assert "base" not in roles and not roles & {"personal_lora", "fusion", "amole_slots"}
         assert "router" not in roles
         assert all(NAME_RULE.get(method, lambda n: True)(n) for n in upload)
         if method == "comigs-2g":
             assert {n.split(".mlp.experts.")[1][0] for n in upload if ".experts." in n} == {"0", "1"}
+        if "amole" in method or method == "fedmole":  # exactly the experts the server assigned, no other
+            sent = {n for n in payloads[c] if param_role(n) == "domain_expert"}
+            assert {n for n in upload if param_role(n) == "domain_expert"} == sent
 
 
 def _router_client(setup, monkeypatch, method, client):

@@ -13,6 +13,7 @@ from .base import Algorithm, ClientContext, ClientState, TrainConfig, average, e
 from .centralized import Centralized
 from .comigs import CoMiGS
 from .fdlora import FDLoRA
+from .fedamole import FedAMoLE
 from .fedavg import FedAvg
 from .fedsa_lora import FedSALoRA
 from .ffa_lora import FFALoRA
@@ -32,11 +33,19 @@ COMIGS_VARIANTS = {
     "comigs-1g1s-tr": dict(experts=2, generalists=1, router_update="train"),
     "comigs-tr": dict(experts=2, generalists=1, router_update="train"),  # Table 5's name
 }
+FEDAMOLE_VARIANTS = {  # Table III's ablations (journal; names from the arXiv version)
+    "fedamole-r": dict(assignment="random"),
+    "fedmole": dict(assignment="fixed"),
+    "fedamole-a": dict(router="vanilla", assignment="random"),
+    "fedamole-s": dict(shared=False),
+    "fedamole-h": dict(homogeneous=True),
+}
 CLASSES = (Pretrained, Local, FedAvg, Centralized, FFALoRA, FedSALoRA, PCL, FDLoRA, HetLoRA, FlexLoRA,
-           PFedMoE, LocalMoE, FedAvgMoE, LocalMoETr, FedAvgMoETr)
+           PFedMoE, LocalMoE, FedAvgMoE, LocalMoETr, FedAvgMoETr, FedAMoLE)
 REGISTRY: dict[str, tuple[type[Algorithm], dict]] = {
     **{cls.name: (cls, getattr(cls, "variant", {})) for cls in CLASSES},
     **{name: (CoMiGS, kw) for name, kw in COMIGS_VARIANTS.items()},
+    **{name: (FedAMoLE, kw) for name, kw in FEDAMOLE_VARIANTS.items()},
 }
 METHODS = tuple(REGISTRY)
 

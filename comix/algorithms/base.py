@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..data import UserData, sample_batch
-from ..models import AdapterConfig, LoRAConfig, load_balance_loss, mixtures, param_role
+from ..models import AdapterConfig, LoRAConfig, MixtureOfLoRAMLP, load_balance_loss, mixtures, param_role
 from ..runtime import Runtime, to_cpu
 
 Tensors = dict[str, torch.Tensor]
@@ -158,6 +158,15 @@ class Algorithm:
                 return f"tensor {n} holds NaN or inf"
         return None
 
+    def expected_upload(self, server_state, client: int, reference: Tensors) -> Tensors:
+        """The names and shapes ``client``'s upload must have this round (by default those of
+        its initial upload; FedAMoLE: the experts the server assigned it)."""
+        return reference
+
+    def server_report(self, server_state) -> dict:
+        """What the server logs after a round (server.jsonl), e.g. FedAMoLE's assignment."""
+        return {}
+
     def shape_ok(self, name: str, shape: tuple, expected: tuple) -> bool:
         return shape == expected
 
@@ -188,15 +197,29 @@ class Algorithm:
             state.adapters[n] = t.detach().clone().to(state.adapters[n].dtype)
         return state
 
+    def load_state(self, model: nn.Module, adapters: Tensors) -> None:
+        """Put a client's adapters into ``model`` (FedAMoLE also picks the model's expert slots)."""
+        load_adapters(model, adapters)
+
+    def adapters_of(self, model_tensors: Tensors) -> Tensors:
+        """A client's adapters as its state names them, from the model's own tensors (the same
+        by default; FedAMoLE names domain experts by global id, not by model slot)."""
+        return model_tensors
+
+    def save_state(self, model: nn.Module, state: ClientState) -> ClientState:
+        """Read the trained adapters back from ``model`` into ``state``."""
+        state.adapters = self.adapters_of(adapter_tensors(model))
+        return state
+
     def client_round(self, ctx: ClientContext, state: ClientState, payload: Tensors):
         state = self.apply_payload(state, payload)
-        load_adapters(ctx.model, state.adapters)
+        self.load_state(ctx.model, state.adapters)
         gen = torch.Generator()
         if state.rng is not None:
             gen.set_state(state.rng)
         ctx.model.train()
         losses = self.local_training(ctx, state, gen)
-        state.adapters = adapter_tensors(ctx.model)
+        state = self.save_state(ctx.model, state)
         state.rng = gen.get_state()
         upload = self.upload_of(state.adapters)
         return state, upload, {"train_loss": sum(losses) / max(1, len(losses))}
@@ -311,7 +334,8 @@ def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def model_load_balance(model: nn.Module, weighting: str) -> torch.Tensor:
     """Mean over blocks of each block's load-balance loss (from its last forward)."""
-    layers = [m for m in mixtures(model) if m.last_routing is not None and m.n_experts > 1]
+    layers = [m for m in mixtures(model) if isinstance(m, MixtureOfLoRAMLP) and m.last_routing is not None
+              and m.n_experts > 1]
     if not layers or weighting == "none":
         return torch.zeros(())
     return torch.stack([load_balance_loss(m.last_routing, m.n_experts, weighting) for m in layers]).mean()

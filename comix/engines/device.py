@@ -25,6 +25,7 @@ from ..algorithms.base import Tensors, adapter_tensors, load_adapters
 from ..data import UserData
 from ..eval import perplexity
 from ..models import mixtures, routing_stats, set_record_stats
+from ..models.amole import AMoLELinear
 from ..models.lora import LoRALinear, LoRAWeights
 from ..runtime import Runtime
 
@@ -62,6 +63,11 @@ def fresh_adapters(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
         for m in mixtures(model):
             if m.router is not None:
                 kaiming(m.router.weight)
+            if isinstance(m, AMoLELinear):
+                for a in m.expert_A:
+                    kaiming(a)
+                m.expert_B.zero_()
+                kaiming(m.token_proj if m.token_proj is not None else m.vanilla_router.weight)
     return adapter_tensors(model)
 
 
@@ -147,9 +153,9 @@ class Device:
         a, c = self.algorithm, self.client
         if c not in self.store:
             init_seed = self.seed + 1 if a.common_init else self.seed + 1 + c
-            self.store[c] = ClientState(adapters=fresh_adapters(self.model, init_seed),
+            self.store[c] = ClientState(adapters=a.adapters_of(fresh_adapters(self.model, init_seed)),
                                         rng=torch.Generator().manual_seed(self.seed * 1000 + c).get_state())
-        return a.upload_of(fresh_adapters(self.model, self.seed))
+        return a.upload_of(a.adapters_of(fresh_adapters(self.model, self.seed)))
 
     def context(self) -> ClientContext:
         return ClientContext(self.client, self.model, self.data, self.algorithm.train, self.runtime)
@@ -169,7 +175,7 @@ class Device:
         """The model this client holds after the round: its own state with the new payload applied."""
         with self.runtime.autocast():
             adapters = self.algorithm.personal_adapters(self.context(), self.store[self.client], payload)
-        load_adapters(self.model, adapters)
+        self.algorithm.load_state(self.model, adapters)
         return self.model
 
     def evaluate(self, payload: Tensors, user: UserData) -> dict:

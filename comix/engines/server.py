@@ -92,7 +92,8 @@ def serve(algorithm: Algorithm, transport: Transport, users: list[str], out_dir:
         uploads, client_metrics = {}, {c: {"sampled": False, "bytes_up": 0, "bytes_down": 0} for c in range(n_clients)}
         for c in sampled:
             reply = replies.get(c, "no reply")
-            reason = reply if isinstance(reply, str) else algorithm.check_upload(reply[0], reference[c])
+            expected = algorithm.expected_upload(server_state, c, reference[c])
+            reason = reply if isinstance(reply, str) else algorithm.check_upload(reply[0], expected)
             down = tensor_bytes(payloads[c])
             if reason:
                 log.warning("round %d: client %d left out of the aggregate: %s", rnd + 1, c, reason)
@@ -103,6 +104,10 @@ def serve(algorithm: Algorithm, transport: Transport, users: list[str], out_dir:
         if not uploads:
             raise RuntimeError(f"round {rnd + 1}: no client replied with a valid upload")
         server_state, payloads = algorithm.server_round(server_state, uploads)
+        report = algorithm.server_report(server_state)
+        if report:  # e.g. FedAMoLE's expert assignment and solve times
+            with open(out_dir / "server.jsonl", "a") as fh:
+                fh.write(json.dumps({"round": rnd + 1, **report}) + "\n")
         if rnd + 1 == train.rounds:  # the clients take the final payload (FDLoRA fuses here)
             transport.finish({c: payloads[c] for c in range(n_clients)})
             payloads = {c: {} for c in range(n_clients)}

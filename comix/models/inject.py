@@ -9,6 +9,10 @@ read from parameter names alone, so they survive state dicts and the wire:
   ``...mlp.<proj>.lora.*``       plain LoRA on the MLP (Local / FedAvg / ...)
   other ``*.lora.*``             attention LoRA
   ``*.lora_local.*``             FDLoRA's personal LoRA; ``*.lora_fusion`` its fusion weights
+  ``*.shared.lora_*``            AMoLE's shared expert; ``*.token_proj`` / ``*.vanilla_router.*``
+                                 its router; ``*.expert_A|B`` its expert slots (in the model);
+  ``*.experts.<id>.lora_*``      FedAMoLE's domain expert <id> of an attention module (in states,
+                                 uploads and payloads); ``rsea.*`` RSEA's embedding uploads
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .amole import AMoLEConfig, AMoLELinear
 from .lora import LoRAConfig, LoRALinear
 from .mixture import MixtureOfLoRA, MixtureOfLoRAMLP, detect_mlp_layout
 
@@ -40,6 +45,7 @@ class AdapterConfig:
     fused: bool = True
     personal: bool = False           # a second, personal LoRA beside each plain MLP one (FDLoRA)
     mlp_lora: LoRAConfig | None = None
+    amole: AMoLEConfig | None = None  # AMoLE modules on these attention linears (FedAMoLE)
 
     def __post_init__(self):
         if self.mlp not in ("mixture", "lora", "none"):
@@ -73,6 +79,12 @@ def inject_adapters(model: nn.Module, cfg: AdapterConfig, n_experts: int | None 
     d_model = model.config.hidden_size
     n = n_experts or cfg.n_experts
     for block in transformer_blocks(model):
+        if cfg.amole is not None:
+            attn = _attention(block)
+            for name in cfg.amole.targets:
+                if not hasattr(attn, name):
+                    raise ValueError(f"fedamole.targets: {type(attn).__name__} has no {name!r}")
+                setattr(attn, name, AMoLELinear(getattr(attn, name), cfg.amole))
         if cfg.attention:
             attn = _attention(block)
             for name in ATTENTION_TARGETS:
@@ -92,10 +104,22 @@ def mixtures(model: nn.Module) -> list[MixtureOfLoRA]:
 
 
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
+_DOMAIN_EXPERT = re.compile(r"\.experts\.(\d+)\.lora_[AB]$")
 
 
 def param_role(name: str) -> str:
-    """generalist | specialist | router | mlp_lora | attention_lora | personal_lora | fusion | base."""
+    """generalist | specialist | router | mlp_lora | attention_lora | personal_lora | fusion |
+    amole_shared | amole_router | amole_slots | domain_expert | embedding | base."""
+    if name.startswith("rsea."):
+        return "embedding"
+    if name.endswith((".expert_A", ".expert_B")):
+        return "amole_slots"
+    if name.endswith(".token_proj") or ".vanilla_router." in name:
+        return "amole_router"
+    if ".shared.lora_" in name:
+        return "amole_shared"
+    if ".mlp." not in name and _DOMAIN_EXPERT.search(name):
+        return "domain_expert"
     if ".lora_local." in name:
         return "personal_lora"
     if name.endswith("lora_fusion"):

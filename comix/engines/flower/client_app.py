@@ -14,10 +14,12 @@ continues where it stopped. Only the algorithm's upload leaves this process.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from pathlib import Path
 
 import torch
+import yaml
 from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
@@ -35,13 +37,28 @@ from .wire import from_arrays, from_json, to_arrays, to_json
 app = ClientApp()
 
 
+@functools.lru_cache(maxsize=2)
+def _recipe_users(model: str, corpus: str, data_yaml: str) -> list:
+    """Every user of a recipe's corpus, built once per process: a simulation's worker answers
+    many virtual devices' messages (Dirichlet splits of 1000 clients included)."""
+    from ...data import SplitConfig
+    _, tok = load_base_model(model)
+    return make_user_data(load_corpus(corpus), tok, SplitConfig(**yaml.safe_load(data_yaml)))
+
+
+@functools.lru_cache(maxsize=2)
+def _base(model: str, dropout: float, device: str, precision: str):
+    """The frozen base model, loaded once per process and device (shared by every client model)."""
+    return resolve(device, precision).prepare_base(load_base_model(model, dropout=dropout)[0])
+
+
 def node_user(cfg, node: dict, client: int):
     """This device's UserData. With ``user``: that user of the corpus ``data`` (a built-in name
     or a directory of user folders), split exactly as the in-process engine splits it. Without:
     ``data`` is this user's own folder (in-distribution splits only; OOD needs every user's data)."""
-    _, tok = load_base_model(cfg.model)
     if "data" not in node:  # a simulated device: user number ``client`` of the recipe's corpus
-        return make_user_data(load_corpus(cfg.corpus), tok, cfg.data)[client]
+        return _recipe_users(cfg.model, cfg.corpus, yaml.safe_dump(dataclasses.asdict(cfg.data)))[client]
+    _, tok = load_base_model(cfg.model)
     if "user" in node:
         users = make_user_data(load_corpus(str(node["data"])), tok, cfg.data)
         match = [u for u in users if u.name == str(node["user"])]
@@ -69,7 +86,7 @@ def device_for(msg: Message, context: Context, read: int, write: int) -> Device:
         raise ValueError(f"method {name} does not run on devices")
     # each SuperNode computes on its own device: node config `device` (e.g. cuda:1) or the recipe's
     runtime = resolve(str(node.get("device", cfg.device)), cfg.precision)
-    base = runtime.prepare_base(load_base_model(cfg.model, dropout=cfg.dropout)[0])
+    base = _base(cfg.model, cfg.dropout, str(node.get("device", cfg.device)), cfg.precision)
     key = hashlib.sha1(f"{run['config']}|{run['method']}|{run['seed']}".encode()).hexdigest()[:12]
     state_dir = node.get("state-dir") or run.get("state_dir") or "comix-device-state"
     store = RoundStore(Path(str(state_dir)) / key, read, write)

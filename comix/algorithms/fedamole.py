@@ -1,0 +1,295 @@
+"""FedAMoLE (Zhang et al., journal version Sec. IV): AMoLE modules on q and v of every attention
+block, domain experts assigned to clients each round by reverse selection (RSEA).
+
+Client (one round): take the payload (shared expert, token projection, and the domain experts
+the server assigned it, by global id), train them with the backbone frozen on
+NLL + beta * load balance (eq. 18-20, summed over modules), then compute on its *embedding set*
+(the last ``embed_frac`` of its training tokens, never trained on; Sec. IV-A "separated from
+the local training set") the mean token embedding W_t h of each module (eq. 23) and the mean
+expert embedding A_j h of each assigned expert (eq. 25), and upload: shared expert, token
+projection, its assigned experts and those embeddings. Nothing else leaves it.
+
+Server: shared expert and token projection averaged over every uploader, each domain expert
+over the clients that trained it (eq. 22; an expert nobody trained keeps its value); expert
+embeddings averaged over their holders (eq. 24); then per module relevance, softmax over
+clients and the MILP of Definition IV.1 (``rsea.py``) give each client its experts for the next
+round. Round 1 is a random assignment. ``assignment``: ``rsea`` (FedAMoLE), ``random`` (a new
+random assignment every round: FedAMoLE-R), ``fixed`` (round 1's random assignment kept:
+FedMoLE); ``router="vanilla"`` with random assignment is FedAMoLE-A (a vanilla router has no
+token projection, so no relevance to assign by: the journal's "vanilla router, random"),
+``shared=False`` FedAMoLE-S (models/amole.py), ``homogeneous=True`` FedAMoLE-H (every client
+E * k_c / N experts per module).
+
+Where the paper is silent, the reference code (zyc140345/FedAMoLE) decides: LoRA scaling
+alpha / r (PEFT), the embedding set drawn from the training data. ``embed_noise`` adds Gaussian
+noise of that standard deviation to the uploaded embeddings (the privacy knob the reference
+exposes); off by default.
+"""
+from __future__ import annotations
+
+import re
+import time
+
+import torch
+from torch import nn
+
+from ..data import sample_batch
+from ..models import AdapterConfig, mixtures
+from ..models.amole import AMoLEConfig, AMoLELinear, amole_load_balance
+from .base import Algorithm, ClientContext, ClientState, Tensors, adapter_tensors, average
+from .rsea import assign, check_feasible, random_assignment
+
+_EXPERT = re.compile(r"^(?P<module>.+)\.experts\.(?P<id>\d+)\.lora_(?P<ab>[AB])$")
+
+
+def expert_name(module: str, gid: int, ab: str) -> str:
+    return f"{module}.experts.{gid}.lora_{ab}"
+
+
+def amole_modules(model: nn.Module) -> dict[str, AMoLELinear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, AMoLELinear)}
+
+
+class FedAMoLE(Algorithm):
+    name = "fedamole"
+    section = "fedamole"
+
+    def __init__(self, lora, train, n_clients, targets: list[str] | None = None, pool: int = 30, slots: int = 8,
+                 top_k: int = 2, k_c: int = 2, shared: bool = True, router: str = "amole", score_scale: str = "d",
+                 renormalize: bool = False, dropout: float = 0.05, beta: float = 1e-3, assignment: str = "rsea",
+                 solver: str = "scip", embed_frac: float = 0.05, embed_windows: int = 8, embed_noise: float = 0.0,
+                 homogeneous: bool = False):
+        super().__init__(lora, train, n_clients)
+        self.cfg = AMoLEConfig(targets=list(targets or ["q_proj", "v_proj"]), r=lora.r, alpha=lora.alpha,
+                               dropout=dropout, pool=pool, slots=slots, top_k=top_k, shared=shared, router=router,
+                               score_scale=score_scale, renormalize=renormalize)
+        if assignment not in ("rsea", "random", "fixed"):
+            raise ValueError(f"fedamole.assignment must be rsea, random or fixed, got {assignment!r}")
+        if not 0 < embed_frac < 1 or embed_windows < 1 or embed_noise < 0:
+            raise ValueError("fedamole: embed_frac in (0, 1), embed_windows >= 1, embed_noise >= 0")
+        # FedAMoLE-H: every client the same number of experts, E * k_c / N
+        per = pool * k_c // n_clients
+        if homogeneous and (pool * k_c % n_clients or not top_k <= per <= slots):
+            raise ValueError(f"fedamole-h: E * k_c / N = {pool} * {k_c} / {n_clients} must be a whole number in "
+                             f"[k_e, b] = [{top_k}, {slots}]")
+        self.bounds = (per, per) if homogeneous else (top_k, slots)
+        check_feasible(pool, n_clients, k_c, *self.bounds)  # one line naming the numbers, before training
+        self.k_c, self.beta, self.assignment, self.solver = k_c, beta, assignment, solver
+        self.embed_frac, self.embed_windows, self.embed_noise = embed_frac, embed_windows, embed_noise
+
+    def adapter_config(self, client: int) -> AdapterConfig:
+        return AdapterConfig(attention=False, mlp="none", amole=self.cfg)
+
+    def is_shared(self, name: str) -> bool:
+        return name.startswith("rsea.") or ".shared.lora_" in name or name.endswith(".token_proj") \
+            or ".vanilla_router." in name or bool(_EXPERT.match(name) and ".mlp." not in name)
+
+    # -- naming: model slots <-> global expert ids -------------------------------------------------
+    def adapters_of(self, model_tensors: Tensors) -> Tensors:
+        """A fresh model's adapters as the state names them: slot s becomes expert s (only its
+        shapes matter: the server's pool and the round-1 payload replace them)."""
+        out = {n: t for n, t in model_tensors.items() if not n.endswith((".expert_A", ".expert_B"))}
+        for n, t in model_tensors.items():
+            if n.endswith(".expert_A"):
+                module = n[:-len(".expert_A")]
+                for slot in range(self.cfg.slots):
+                    out[expert_name(module, slot, "A")] = t[slot].clone()
+                    out[expert_name(module, slot, "B")] = model_tensors[module + ".expert_B"][slot].clone()
+        return out
+
+    def save_state(self, model: nn.Module, state: ClientState) -> ClientState:
+        """Slot tensors go back under the global ids of the experts in the slots."""
+        tensors = adapter_tensors(model)
+        out = {n: t for n, t in tensors.items() if not n.endswith((".expert_A", ".expert_B"))}
+        for name, module in amole_modules(model).items():
+            for slot, gid in enumerate(module.slot_ids[:module.n_active].tolist()):
+                out[expert_name(name, gid, "A")] = tensors[name + ".expert_A"][slot].clone()
+                out[expert_name(name, gid, "B")] = tensors[name + ".expert_B"][slot].clone()
+        state.adapters = out
+        return state
+
+    def load_state(self, model: nn.Module, adapters: Tensors) -> None:
+        """Shared expert and router by name; the held experts into the first slots, by id."""
+        modules = amole_modules(model)
+        held: dict[str, dict[int, dict[str, torch.Tensor]]] = {m: {} for m in modules}
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for n, t in adapters.items():
+                m = _EXPERT.match(n)
+                if m and m["module"] in held:
+                    held[m["module"]].setdefault(int(m["id"]), {})[m["ab"]] = t
+                elif n in params:
+                    params[n].copy_(t)
+            for name, module in modules.items():
+                ids = sorted(held[name])
+                module.assign(ids)
+                module.expert_A[:len(ids)].copy_(torch.stack([held[name][g]["A"] for g in ids]))
+                module.expert_B[:len(ids)].copy_(torch.stack([held[name][g]["B"] for g in ids]))
+                module.expert_A[len(ids):].zero_()
+                module.expert_B[len(ids):].zero_()
+
+    # -- client ------------------------------------------------------------------------------------
+    def apply_payload(self, state: ClientState, payload: Tensors) -> ClientState:
+        """The server's tensors replace this client's; its assigned experts are exactly the
+        payload's (an expert moved elsewhere leaves the device's state)."""
+        if any(_EXPERT.match(n) for n in payload):
+            state.adapters = {n: t for n, t in state.adapters.items() if not _EXPERT.match(n)}
+        for n, t in payload.items():
+            if not self.is_shared(n) or n.startswith("rsea."):
+                raise ValueError(f"payload tensor {n!r} is not a shared parameter of this client")
+            state.adapters[n] = t.detach().clone().float()
+        return state
+
+    def split(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(training tokens, embedding set): the embedding set is the last embed_frac, never trained on."""
+        cut = len(tokens) - max(self.train.seq_len + 1, int(self.embed_frac * len(tokens)))
+        return tokens[:cut], tokens[cut:]
+
+    def train_batch(self, ctx: ClientContext, gen: torch.Generator):
+        return sample_batch(self.split(ctx.data.train)[0], self.train.batch_size, self.train.seq_len, gen)
+
+    def local_loss_extra(self, model: nn.Module) -> torch.Tensor:
+        """beta * sum over modules of eq. 19's load balance (from the last forward)."""
+        terms = [amole_load_balance(m.last_routing, m.n_active) for m in mixtures(model)
+                 if isinstance(m, AMoLELinear) and m.last_routing is not None]
+        return self.beta * torch.stack(terms).sum() if terms else torch.zeros(())
+
+    def regularizer(self, ctx: ClientContext, state: ClientState) -> torch.Tensor:
+        return self.local_loss_extra(ctx.model)
+
+    def embeddings(self, ctx: ClientContext) -> Tensors:
+        """Eq. 23 and 25 on the embedding set: per module the mean token embedding and the mean
+        expert embedding of each assigned expert."""
+        _, aux = self.split(ctx.data.train)
+        L = self.train.seq_len
+        windows = min(self.embed_windows, (len(aux) - 1) // L)
+        x = aux[:windows * L].long().reshape(windows, L)
+        sums: dict[str, list] = {}
+
+        def hook(name):
+            def record(module: AMoLELinear, args, _out):
+                h = args[0].reshape(-1, args[0].shape[-1]).float()
+                n, r = module.n_active, module.cfg.r
+                e = (h @ module.expert_A[:n].reshape(n * r, -1).t().float()).reshape(-1, n, r).mean(0)
+                t = (h @ module.token_proj.t().float()).mean(0) if module.token_proj is not None else None
+                sums[name] = [t, e]
+            return record
+        modules = amole_modules(ctx.model)
+        handles = [m.register_forward_hook(hook(n)) for n, m in modules.items()]
+        ids = {n: m.slot_ids[:m.n_active].tolist() for n, m in modules.items()}
+        try:
+            with torch.inference_mode():
+                ctx.model.eval()
+                ctx.model(input_ids=x.to(ctx.model.get_input_embeddings().weight.device))
+                ctx.model.train()
+        finally:
+            for h in handles:
+                h.remove()
+        gen = torch.Generator().manual_seed(ctx.client)
+        noise = (lambda t: t + self.embed_noise * torch.randn(t.shape, generator=gen)) if self.embed_noise \
+            else (lambda t: t)
+        out = {}
+        for name, (t, e) in sums.items():
+            if t is not None:
+                out[f"rsea.{name}.token"] = noise(t.cpu())
+            for slot, gid in enumerate(ids[name]):
+                out[f"rsea.{name}.expert.{gid}"] = noise(e[slot].cpu())
+        return out
+
+    def client_round(self, ctx: ClientContext, state: ClientState, payload: Tensors):
+        state, upload, metrics = super().client_round(ctx, state, payload)
+        if self.assignment == "rsea" and self.cfg.router == "amole":
+            self.load_state(ctx.model, state.adapters)
+            upload.update(self.embeddings(ctx))
+        held = {m.group("module") for n in state.adapters if (m := _EXPERT.match(n))}
+        metrics["experts"] = sum(1 for n in state.adapters if n.endswith(".lora_A") and _EXPERT.match(n)) / max(1, len(held))
+        return state, upload, metrics
+
+    # -- server ------------------------------------------------------------------------------------
+    @staticmethod
+    def _pool_shapes(tensors: Tensors) -> dict[str, tuple[int, int]]:
+        """module -> (d_in, d_out), read from a client's initial expert tensors."""
+        out = {}
+        for n, t in tensors.items():
+            m = _EXPERT.match(n)
+            if m and m["ab"] == "A":
+                out[m["module"]] = (t.shape[1], tensors[n[:-1] + "B"].shape[0])
+        return out
+
+    def server_init(self, initial: dict[int, Tensors]):
+        """The pool of E experts per module (A kaiming, B zero, from the run's generator), a
+        random first assignment, the common start of the shared tensors."""
+        modules = self._pool_shapes(initial[0])
+        common = {n: t for n, t in initial[0].items() if not _EXPERT.match(n)}
+        gen = torch.Generator().manual_seed(0)
+        pool = {}
+        for m, (d_in, d_out) in modules.items():
+            for gid in range(self.cfg.pool):
+                a = torch.empty(self.cfg.r, d_in)
+                nn.init.kaiming_uniform_(a, a=5 ** 0.5, generator=gen)
+                pool[expert_name(m, gid, "A")], pool[expert_name(m, gid, "B")] = a, torch.zeros(d_out, self.cfg.r)
+        assignment = {m: random_assignment(self.n_clients, self.cfg.pool, self.k_c, *self.bounds, gen,
+                                           self.solver) for m in modules}
+        state = {"shared": common, "pool": pool, "assignment": assignment, "gen": gen, "token_emb": {},
+                 "expert_emb": {}, "report": {}}
+        return state, self._payloads(state)
+
+    def _payloads(self, state) -> dict[int, Tensors]:
+        out = {}
+        for c in range(self.n_clients):
+            p = dict(state["shared"])
+            for m, d in state["assignment"].items():
+                for gid in d[c].nonzero().flatten().tolist():
+                    for ab in "AB":
+                        p[expert_name(m, gid, ab)] = state["pool"][expert_name(m, gid, ab)]
+            out[c] = p
+        return out
+
+    def expected_upload(self, server_state, client: int, reference: Tensors) -> Tensors:
+        expected = {n: t for n, t in reference.items() if not _EXPERT.match(n)}
+        for m, d in server_state["assignment"].items():
+            for gid in d[client].nonzero().flatten().tolist():
+                for ab in "AB":
+                    t = server_state["pool"][expert_name(m, gid, ab)]
+                    expected[expert_name(m, gid, ab)] = torch.empty(t.shape, device="meta")
+                if self.assignment == "rsea" and self.cfg.router == "amole":
+                    expected[f"rsea.{m}.expert.{gid}"] = torch.empty(self.cfg.r, device="meta")
+            if self.assignment == "rsea" and self.cfg.router == "amole":
+                expected[f"rsea.{m}.token"] = torch.empty(self.cfg.r, device="meta")
+        return expected
+
+    def server_round(self, server_state, uploads: dict[int, Tensors]):
+        st = server_state
+        shared_names = set(st["shared"])
+        st["shared"] = {**st["shared"], **average({c: {n: t for n, t in up.items() if n in shared_names}
+                                                   for c, up in uploads.items()})}
+        experts = average({c: {n: t for n, t in up.items() if _EXPERT.match(n)} for c, up in uploads.items()})
+        st["pool"].update(experts)  # eq. 22 by id: holders only; experts nobody trained keep their value
+        t0 = time.perf_counter()
+        report = {"solve_s": 0.0, "experts_per_client": {}}
+        for m, d in st["assignment"].items():
+            if self.assignment == "random":
+                st["assignment"][m] = random_assignment(self.n_clients, self.cfg.pool, self.k_c, *self.bounds,
+                                                        st["gen"], self.solver)
+            elif self.assignment == "rsea" and self.cfg.router == "amole":
+                for c, up in uploads.items():
+                    if f"rsea.{m}.token" in up:
+                        st["token_emb"][(m, c)] = up[f"rsea.{m}.token"].double()
+                for gid in range(self.cfg.pool):
+                    held = [up[f"rsea.{m}.expert.{gid}"].double() for up in uploads.values()
+                            if f"rsea.{m}.expert.{gid}" in up]
+                    if held:
+                        st["expert_emb"][(m, gid)] = torch.stack(held).mean(0)  # eq. 24
+                zero = torch.zeros(self.cfg.r, dtype=torch.float64)
+                clients = torch.stack([st["token_emb"].get((m, c), zero) for c in range(self.n_clients)])
+                experts_e = torch.stack([st["expert_emb"].get((m, g), zero) for g in range(self.cfg.pool)])
+                d_in = st["pool"][expert_name(m, 0, "A")].shape[1]
+                st["assignment"][m], info = assign(clients, experts_e, d_in, self.k_c, *self.bounds, self.solver)
+                report["solve_s"] += info["solve_s"]
+            report["experts_per_client"][m] = st["assignment"][m].sum(1).tolist()
+        report["rsea_s"] = time.perf_counter() - t0
+        st["report"] = report
+        return st, self._payloads(st)
+
+    def server_report(self, server_state) -> dict:
+        return server_state.get("report", {})
