@@ -36,6 +36,7 @@ from torch import nn
 from ..data import sample_batch
 from ..models import AdapterConfig, mixtures
 from ..models.amole import AMoLEConfig, AMoLELinear, amole_load_balance
+from ..runtime import to_cpu
 from .base import Algorithm, ClientContext, ClientState, Tensors, adapter_tensors, average
 from .rsea import assign, check_feasible, random_assignment
 
@@ -191,9 +192,9 @@ class FedAMoLE(Algorithm):
         out = {}
         for name, (t, e) in sums.items():
             if t is not None:
-                out[f"rsea.{name}.token"] = noise(t.cpu())
+                out[f"rsea.{name}.token"] = noise(to_cpu(t))
             for slot, gid in enumerate(ids[name]):
-                out[f"rsea.{name}.expert.{gid}"] = noise(e[slot].cpu())
+                out[f"rsea.{name}.expert.{gid}"] = noise(to_cpu(e[slot]))
         return out
 
     def client_round(self, ctx: ClientContext, state: ClientState, payload: Tensors):
