@@ -23,27 +23,6 @@ def _console():
     return Console(stderr=True)
 
 
-def _setup(cfg):
-    """Data and model for ``cfg``, inputs checked cheapest first: the model spec and the corpus
-    fail with one line before the model loads."""
-    import torch
-
-    from .data import check_seq_len, load_corpus, make_user_data, token_table
-    from .models import load_base_model
-    from .models.base import check_model_spec
-    from .runtime import resolve
-
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    runtime = resolve(cfg.device, cfg.precision)
-    check_model_spec(cfg.model)
-    corpus = load_corpus(cfg.corpus)
-    model, tok = load_base_model(cfg.model, dropout=cfg.dropout)
-    users = make_user_data(corpus, tok, cfg.data)
-    check_seq_len(users, cfg.train.seq_len)
-    return runtime.prepare_base(model), tok, users, token_table(users)
-
-
 def results_table(results: list[dict], users: list[str]) -> str:
     head = "| method | " + " | ".join(users) + " | mean |"
     rows = [head, "|" + "---|" * (len(users) + 2)]
@@ -51,55 +30,6 @@ def results_table(results: list[dict], users: list[str]) -> str:
         cells = [f"{r['per_user'][u]['test_ppl']:.2f}" if u in r["per_user"] else "-" for u in users]
         rows.append(f"| {r['method']} | " + " | ".join(cells) + f" | {r['mean_test_ppl']:.2f} |")
     return "\n".join(rows)
-
-
-def run_spec(cfg, spec: str, seed: int, out: Path, model, users, console) -> dict:
-    """Run one method spec with one seed into ``out`` (skipped when finished, resumed when not)."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    from .algorithms import REGISTRY, make_algorithm
-    from .compare import spec_config, split_spec
-    from .engines import run_method
-    from .runtime import resolve
-
-    if (out / "results.json").exists():  # finished earlier: keep it
-        res = json.loads((out / "results.json").read_text())
-        console.print(f"{spec} (seed {seed}): done earlier, mean test ppl {res['mean_test_ppl']:.2f}")
-        return res
-    mcfg = spec_config(cfg, spec)
-    name = split_spec(spec)[0]
-    n_clients = 1 if REGISTRY[name][0].pooled else len(users)
-    algo = make_algorithm(name, mcfg.lora, mcfg.train, n_clients, **mcfg.options(name))
-    algo.name = spec
-    if cfg.engine == "flower-sim" and algo.trains and not algo.pooled:
-        from .config import to_dict
-        from .engines.flower.simulation import simulate
-        from .engines.device import atomic_write
-        recipe = out.parent / f".{out.name}.flower-sim.yaml"
-        text = yaml.safe_dump(to_dict(cfg), sort_keys=False)
-        atomic_write(recipe, lambda p: Path(p).write_text(text))
-        console.print(f"{spec}: Flower simulation (Ray on 127.0.0.1) with {n_clients} virtual devices")
-        res = simulate(recipe, spec, out.parent, n_clients, seed=seed, cpus=cfg.threads or None,
-                       gpus=cfg.gpus_per_client)
-        if not cfg.keep_checkpoints:
-            (out / "checkpoint.pt").unlink(missing_ok=True)
-        return res
-    label = spec if len(cfg.seeds) <= 1 else f"{spec} seed {seed}"
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"),
-                  TimeElapsedColumn(), TimeRemainingColumn(), console=console) as bar:
-        task = bar.add_task(label, total=mcfg.train.rounds if algo.trains else 1, info="")
-
-        def progress(p):
-            ppl = [x for x in p["test_ppl"] if x is not None]
-            shown = " ".join(f"{x:.1f}" for x in ppl) if len(ppl) <= 8 else f"mean {sum(ppl) / len(ppl):.2f}"
-            info = f"round {p['round']}/{p['rounds']} loss {p['train_loss']:.3f}" + (f" test ppl {shown}" if ppl else "")
-            bar.update(task, completed=p["round"], info=info)
-            bar.console.log(f"{label} {info} ({p['seconds']:.0f}s)")
-
-        res = run_method(algo, model, users, out, seed=seed, resume=True, offload=mcfg.offload, progress=progress,
-                         keep_checkpoints=mcfg.keep_checkpoints, runtime=resolve(cfg.device, cfg.precision))
-        bar.update(task, completed=bar.tasks[0].total)
-    return res
 
 
 RUN_DIR: Path | None = None  # the run directory being written (named in the Ctrl-C message)
@@ -111,6 +41,7 @@ def _prepare(args, default_name: str):
     global RUN_DIR
     from .config import load_config, to_dict
     from .engines.device import atomic_write
+    from .runner import load_inputs
 
     if args.resume:
         run_dir = Path(args.resume)
@@ -118,7 +49,7 @@ def _prepare(args, default_name: str):
             raise ValueError(f"--resume: {run_dir} holds no config.yaml (not a comix run directory)")
         cfg = load_config(str(run_dir / "config.yaml"), args.overrides)
         RUN_DIR = run_dir
-        return (cfg, run_dir, *_setup(cfg))
+        return (cfg, run_dir, *load_inputs(cfg))
     cfg = load_config(args.config, args.overrides)
     if getattr(args, "methods", None):
         cfg.methods = list(args.methods)
@@ -128,7 +59,7 @@ def _prepare(args, default_name: str):
     stamp = time.strftime("%Y%m%d-%H%M%S")
     run_dir = Path(cfg.run_dir or f"runs/{default_name}{cfg.corpus.strip('/').split('/')[-1]}-{stamp}")
     cfg.run_dir = str(run_dir)
-    loaded = _setup(cfg)
+    loaded = load_inputs(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     RUN_DIR = run_dir
     text = yaml.safe_dump(to_dict(cfg), sort_keys=False)
@@ -137,8 +68,8 @@ def _prepare(args, default_name: str):
 
 
 def cmd_run(args) -> int:
-    from .compare import spec_dirname
     from .engines.device import atomic_write
+    from .runner import run_spec, spec_dirname
 
     console = _console()
     cfg, run_dir, model, _, users, table = _prepare(args, "")
@@ -157,8 +88,9 @@ def cmd_run(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from .compare import collect, curves, plot_curves, references, spec_dirname, summary_tables
+    from .compare import collect, curves, plot_curves, references, summary_tables
     from .engines.device import atomic_write
+    from .runner import run_spec, spec_dirname
 
     console = _console()
     cfg, run_dir, model, _, users, table = _prepare(args, "compare-")

@@ -1,8 +1,6 @@
 """Run a grid of methods x seeds, resumably, and summarise it like the CoMiGS paper.
 
-A *method spec* is a method name with optional options, ``name[:key=value,key=value]``: bare keys
-belong to the method's config section, dotted keys are any config key. Examples:
-``hetlora:reg=0.05``, ``comigs-1gxs:experts=[1,2,4,8]``, ``comigs-1gxs:train.load_balance=none``.
+Method specs (``hetlora:reg=0.05``) and running one spec live in ``comix.runner``.
 
 Layout: ``<run_dir>/seed<S>/<spec>/{metrics.jsonl,results.json,...}``; a finished run (its
 ``results.json`` exists) is skipped, an interrupted one resumes from its checkpoint. The summary
@@ -12,58 +10,11 @@ per-user curves (Fig. 5-7).
 """
 from __future__ import annotations
 
-import copy
 import json
-import re
 import statistics
 from pathlib import Path
 
-import yaml
-
-from .config import ConfigError, RunConfig, _set
-
-
-def split_spec(spec: str) -> tuple[str, list[str]]:
-    """``"hetlora:reg=0.05,gamma=0.9"`` -> ("hetlora", ["reg=0.05", "gamma=0.9"]); commas inside
-    brackets stay (``experts=[1,2,4,8]``)."""
-    name, _, opts = spec.partition(":")
-    items, depth, cur = [], 0, ""
-    for ch in opts:
-        depth += ch == "["
-        depth -= ch == "]"
-        if ch == "," and depth == 0:
-            items.append(cur)
-            cur = ""
-        else:
-            cur += ch
-    items += [cur] if cur else []
-    return name.strip(), [i.strip() for i in items if i.strip()]
-
-
-def spec_config(cfg: RunConfig, spec: str) -> RunConfig:
-    """A copy of ``cfg`` with the spec's options applied."""
-    from .algorithms import section_of
-    name, items = split_spec(spec)
-    out = copy.deepcopy(cfg)
-    section = section_of(name)
-    for item in items:
-        if "=" not in item:
-            raise ConfigError(f"method {spec!r}: option {item!r} must look like key=value")
-        key, value = item.split("=", 1)
-        if key.split(".")[0] in ("data", "model", "corpus", "seed", "seeds", "methods", "run_dir", "device",
-                                 "precision", "dropout"):
-            raise ConfigError(f"method {spec!r}: option {key!r} would change the data, the base model or the grid; "
-                              "set it for the whole run instead")
-        if "." not in key:
-            if not section:
-                raise ConfigError(f"method {spec!r}: {name} has no options; use a dotted key (e.g. train.lr=...)")
-            key = f"{section}.{key}"
-        _set(out, key.strip(), yaml.safe_load(value))
-    return out.validate()
-
-
-def spec_dirname(spec: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.=-]+", "_", spec.replace(":", "__")).strip("_")
+from .runner import spec_dirname
 
 
 def collect(run_dir: Path, specs: list[str], seeds: list[int]) -> dict[str, dict[int, dict]]:

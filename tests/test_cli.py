@@ -91,12 +91,12 @@ def test_version_and_run_help_lists_methods_and_keys(capsys):
 
 
 def test_ctrl_c_names_the_resume_command(tmp_path, capsys, monkeypatch):
-    import comix.cli
+    import comix.runner
     data = _user_dirs(tmp_path / "data")
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
-    monkeypatch.setattr(comix.cli, "run_spec", interrupted)
+    monkeypatch.setattr(comix.runner, "run_spec", interrupted)
     assert main(["run", f"corpus={data}", f"run_dir={tmp_path / 'run'}", *TINY]) == 130
     last = capsys.readouterr().err.strip().splitlines()[-1]  # after the rich header, one line, no traceback
     assert last == f"comix: interrupted; continue with: comix run --resume {tmp_path / 'run'}"

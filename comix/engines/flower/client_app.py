@@ -23,8 +23,8 @@ import yaml
 from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
-from ...algorithms import REGISTRY, ClientState, make_algorithm
-from ...compare import spec_config, split_spec
+from ...algorithms import REGISTRY
+from ...runner import build_algorithm, split_spec
 from ...config import load_config
 from ...data import load_corpus, make_user_data
 from ...data.corpora import user_folder
@@ -79,9 +79,8 @@ def device_for(msg: Message, context: Context, read: int, write: int) -> Device:
     client = int(node["client-id"] if "client-id" in node else node["partition-id"])  # partition-id: simulation
     cfg = load_config(text=run["config"])
     name = split_spec(run["method"])[0]
-    mcfg = spec_config(cfg, run["method"])
     torch.set_num_threads(int(node.get("threads", 1)))
-    algo = make_algorithm(name, mcfg.lora, mcfg.train, run["n_clients"], **mcfg.options(name))
+    algo = build_algorithm(cfg, run["method"], run["n_clients"])
     if REGISTRY[name][0].pooled or not algo.trains:
         raise ValueError(f"method {name} does not run on devices")
     # each SuperNode computes on its own device: node config `device` (e.g. cuda:1) or the recipe's

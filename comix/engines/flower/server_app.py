@@ -19,8 +19,7 @@ from pathlib import Path
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
-from ...algorithms import make_algorithm
-from ...compare import spec_config, spec_dirname, split_spec
+from ...runner import build_algorithm, spec_dirname
 from ...config import load_config
 from ..server import serve
 from .wire import from_arrays, from_json, to_arrays, to_json
@@ -139,10 +138,7 @@ def main(grid: Grid, context: Context) -> None:
            "state_dir": rc.get("state-dir")}
     transport = FlowerTransport(grid, run, n, float(rc.get("timeout", 600)))
     users = transport.discover(float(rc.get("wait", 120)))
-    name = split_spec(spec)[0]
-    mcfg = spec_config(cfg, spec)
-    algo = make_algorithm(name, mcfg.lora, mcfg.train, n, **mcfg.options(name))
-    algo.name = spec
+    algo = build_algorithm(cfg, spec, n)
     out = Path(str(rc["run-dir"])) / spec_dirname(spec)
 
     def progress(p):
