@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def split_nll(model, tokens: torch.Tensor, seq_len: int, batch_size: int = 8) -> tuple[float, int]:
     """(sum of token NLLs, number of predicted tokens) over the whole split."""
     n_pred = len(tokens) - 1
