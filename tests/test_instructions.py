@@ -56,3 +56,23 @@ def test_one_task_per_client_and_the_80_10_10_split_with_caps():
     assert (len(gen["train"]), len(gen["valid"]), len(gen["test"])) == (2400, 200, 50)
     assert len(cls["test"]) == 200
     assert not {e.instruction for e in gen["train"]} & {e.instruction for e in gen["test"]}
+
+
+def test_real_loaders_read_local_files_of_the_hub_schema(tmp_path):
+    import json
+    from comix.data.instructions import dolly, natural_instructions, snli
+    (tmp_path / "snli.jsonl").write_text("\n".join(json.dumps(r) for r in [
+        {"premise": "A dog runs.", "hypothesis": "An animal moves.", "label": 0},
+        {"premise": "A dog runs.", "hypothesis": "A cat sleeps.", "label": 2},
+        {"premise": "A dog runs.", "hypothesis": "It is sunny.", "label": -1}]))
+    nli = snli(data_files=tmp_path / "snli.jsonl")
+    assert [e.output for e in nli] == ["Yes", "No"] and nli[0].input == "An animal moves."
+    (tmp_path / "dolly.jsonl").write_text(json.dumps(
+        {"instruction": "Name a color.", "context": "", "response": "Blue.", "category": "brainstorming"}))
+    d = dolly(data_files=tmp_path / "dolly.jsonl")
+    assert d == [Example("Name a color.", "Blue.", category="brainstorming")]
+    (tmp_path / "ni.jsonl").write_text("\n".join(json.dumps(r) for r in [
+        {"task_name": "task001_add", "id": "1", "definition": "Add the numbers.", "inputs": "1 2", "targets": "3"},
+        {"task_name": "task002_neg", "id": "2", "definition": "Negate.", "inputs": "4", "targets": "-4"}]))
+    ni = natural_instructions(data_files=tmp_path / "ni.jsonl", tasks=["task002_neg"])
+    assert ni == [Example("Negate.", "-4", input="4", category="task002_neg")]

@@ -139,3 +139,48 @@ def client_splits(examples: list[Example], classification: bool, seed: int) -> d
     test = items[:n_test][:200 if classification else 50]
     valid = items[n_test:n_test + n_valid][:200]
     return {"train": items[n_test + n_valid:], "valid": valid, "test": test}
+
+
+# -- real loaders (``datasets``); ``data_files``: a local copy with the hub dataset's schema ------------
+def _rows(path: str, data_files=None, split: str = "train", **kw):
+    from datasets import load_dataset
+    if data_files is not None:
+        fmt = "parquet" if str(data_files).endswith(".parquet") else "json"
+        return load_dataset(fmt, data_files=str(data_files), split="train")
+    return load_dataset(path, split=split, **kw)
+
+
+def snli(data_files=None, split: str = "train", limit: int | None = None) -> list[NLIExample]:
+    """SNLI (stanfordnlp/snli): premise, hypothesis, label 0/1/2 -> Yes/Maybe/No (-1: no gold, dropped)."""
+    out = []
+    for row in _rows("stanfordnlp/snli", data_files, split):
+        if int(row["label"]) in (0, 1, 2):
+            answer = SNLI_CHOICES[int(row["label"])]
+            out.append(NLIExample(row["premise"].strip(), answer, input=row["hypothesis"].strip(), category=answer))
+        if limit and len(out) >= limit:
+            break
+    return out
+
+
+def dolly(data_files=None, limit: int | None = None) -> list[Example]:
+    """Dolly-15K (databricks/databricks-dolly-15k): instruction, context, response, category (8)."""
+    out = [Example(r["instruction"].strip(), r["response"].strip(), input=(r.get("context") or "").strip(),
+                   category=r["category"]) for r in _rows("databricks/databricks-dolly-15k", data_files)]
+    return out[:limit] if limit else out
+
+
+def natural_instructions(data_files=None, tasks: list[str] | None = None, limit_per_task: int | None = None,
+                         split: str = "train") -> list[Example]:
+    """Natural Instructions v2.8 as Muennighoff/natural-instructions lays it out (task_name,
+    definition, inputs, targets): the task's definition is the instruction, the instance's input
+    the input; ``tasks`` picks which (one per client in the paper's NI scenario)."""
+    out, seen = [], {}
+    for r in _rows("Muennighoff/natural-instructions", data_files, split):
+        task = r["task_name"]
+        if tasks and task not in tasks:
+            continue
+        if limit_per_task and seen.get(task, 0) >= limit_per_task:
+            continue
+        seen[task] = seen.get(task, 0) + 1
+        out.append(Example(r["definition"].strip(), r["targets"].strip(), input=r["inputs"].strip(), category=task))
+    return out
