@@ -118,3 +118,15 @@ def test_an_impossible_assignment_fails_at_config_time_with_one_line(tmp_path, c
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("comix: error: fedamole: infeasible assignment: E * k_c = 30 * 2 = 60 picks must lie "
                               "in [N * k_e, N * b] = [8, 32] for N = 4 clients")
+
+
+def test_fedit_is_lora_on_q_and_v_with_peft_scaling(setup):
+    from comix.engines.inprocess import ClientModels
+    from comix.models.lora import LoRALinear
+    model, _ = setup
+    algo = _algo("fedit")
+    m = ClientModels(model, algo).for_client(0)
+    adapted = {n.rsplit(".", 1)[-1] for n, mod in m.named_modules() if isinstance(mod, LoRALinear)}
+    assert adapted == {"q_proj", "v_proj"}
+    lora = next(mod for mod in m.modules() if isinstance(mod, LoRALinear))
+    assert lora.scaling == algo.lora.alpha / algo.lora.r and lora.dropout.p == 0.05

@@ -14,7 +14,7 @@ from .centralized import Centralized
 from .comigs import CoMiGS
 from .fdlora import FDLoRA
 from .fedamole import FedAMoLE
-from .fedavg import FedAvg
+from .fedavg import FedAvg, FedIT
 from .fedsa_lora import FedSALoRA
 from .ffa_lora import FFALoRA
 from .flexlora import FlexLoRA
@@ -41,7 +41,7 @@ FEDAMOLE_VARIANTS = {  # Table III's ablations (journal; names from the arXiv ve
     "fedamole-h": dict(homogeneous=True),
 }
 CLASSES = (Pretrained, Local, FedAvg, Centralized, FFALoRA, FedSALoRA, PCL, FDLoRA, HetLoRA, FlexLoRA,
-           PFedMoE, LocalMoE, FedAvgMoE, LocalMoETr, FedAvgMoETr, FedAMoLE)
+           PFedMoE, LocalMoE, FedAvgMoE, LocalMoETr, FedAvgMoETr, FedAMoLE, FedIT)
 REGISTRY: dict[str, tuple[type[Algorithm], dict]] = {
     **{cls.name: (cls, getattr(cls, "variant", {})) for cls in CLASSES},
     **{name: (CoMiGS, kw) for name, kw in COMIGS_VARIANTS.items()},

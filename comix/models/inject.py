@@ -46,6 +46,7 @@ class AdapterConfig:
     personal: bool = False           # a second, personal LoRA beside each plain MLP one (FDLoRA)
     mlp_lora: LoRAConfig | None = None
     amole: AMoLEConfig | None = None  # AMoLE modules on these attention linears (FedAMoLE)
+    attention_targets: tuple[str, ...] = ()  # attention linears with LoRA (default: all of them)
 
     def __post_init__(self):
         if self.mlp not in ("mixture", "lora", "none"):
@@ -87,7 +88,7 @@ def inject_adapters(model: nn.Module, cfg: AdapterConfig, n_experts: int | None 
                 setattr(attn, name, AMoLELinear(getattr(attn, name), cfg.amole))
         if cfg.attention:
             attn = _attention(block)
-            for name in ATTENTION_TARGETS:
+            for name in cfg.attention_targets or ATTENTION_TARGETS:
                 if hasattr(attn, name) and not isinstance(getattr(attn, name), LoRALinear):
                     setattr(attn, name, LoRALinear(getattr(attn, name), cfg.lora))
         if cfg.mlp == "mixture":

@@ -22,6 +22,9 @@ class LoRAConfig:
     # "2x LoRA modules" (CoMiGS Sec. 4.2): m summed rank-r modules == one rank m*r module with
     # the rank-r scaling, so `modules` multiplies the rank but not the scaling's sqrt(r).
     modules: int = 1
+    # alpha / sqrt(r) (rank-stabilised, CoMiGS App. B.1) or alpha / r (PEFT's default, which
+    # FedAMoLE's reference code and its FedIT baseline use)
+    rslora: bool = True
 
     def __post_init__(self):
         if self.r < 1:
@@ -37,7 +40,7 @@ class LoRAConfig:
 
     @property
     def scaling(self) -> float:
-        return self.alpha / math.sqrt(self.r)
+        return self.alpha / (math.sqrt(self.r) if self.rslora else self.r)
 
 
 def linear_dims(layer: nn.Module) -> tuple[int, int]:
