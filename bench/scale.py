@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -87,8 +89,8 @@ def main(argv=None) -> int:
         print(rows[-1], flush=True)
     text = "\n".join(rows) + "\n"
     out = ROOT / "bench" / "results" / "scale.md"
-    out.write_text("`python bench/scale.py` (CoMiGS-1G1S, in-process, offloaded states, Dirichlet(0.5) clients "
-                   "of `topics`, 2 CPU threads)\n\n" + text)
+    out.write_text(f"`python bench/scale.py` on {platform.machine()} with {os.cpu_count()} CPU cores (CoMiGS-1G1S, "
+                   "in-process, offloaded states, Dirichlet(0.5) clients of `topics`, 2 torch threads)\n\n" + text)
     print(f"wrote {out}")
     return 0
 
