@@ -42,8 +42,9 @@ class TrainConfig:
                                         ``warmup_frac`` 0.
       router_lr 2e-3, constant ......... paper (ConstantLR in the authors' clients.py).
       AdamW betas (0.9, 0.95) .......... authors (clients.py: configure_optimizers(betas=...)).
-      weight_decay 1e-2 ................ authors (collab_run.py: -wd default 1e-2), on both the
-                                        expert and the router optimizer.
+      weight_decay 1e-2 ................ authors (collab_run*.py: -wd default 1e-2); applied to both
+                                        optimizers here (the authors build both in one
+                                        configure_optimizers(weight_decay=...) call).
       grad_clip 0 (none) ............... authors (clients.py clips nothing).
       tau 30, router_steps 10 .......... paper App. B.1 (update period and steps of Alg. 1).
       lb_weight 0.01, uniform .......... paper Sec. 3.3 / App. B.1 ("always applied").
