@@ -100,6 +100,8 @@ def test_to_cpu_moves_nested_optimizer_state():
     state = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.ones(2)}}, "param_groups": [{"lr": 1e-3}]}
     out = to_cpu(state)
     assert out["param_groups"] == [{"lr": 1e-3}] and torch.equal(out["state"][0]["exp_avg"], torch.ones(2))
+    assert out is not state and out["state"] is not state["state"]  # new containers, the states untouched
+    assert isinstance(to_cpu((torch.ones(1), [torch.zeros(1)])), tuple)
 
 
 @CUDA

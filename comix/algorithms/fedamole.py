@@ -200,10 +200,9 @@ class FedAMoLE(Algorithm):
     def client_round(self, ctx: ClientContext, state: ClientState, payload: Tensors):
         state, upload, metrics = super().client_round(ctx, state, payload)
         if self.assignment == "rsea" and self.cfg.router == "amole":
-            self.load_state(ctx.model, state.adapters)
-            upload.update(self.embeddings(ctx))
-        held = {m.group("module") for n in state.adapters if (m := _EXPERT.match(n))}
-        metrics["experts"] = sum(1 for n in state.adapters if n.endswith(".lora_A") and _EXPERT.match(n)) / max(1, len(held))
+            upload.update(self.embeddings(ctx))  # the model still holds this round's trained experts
+        modules = amole_modules(ctx.model).values()
+        metrics["experts"] = sum(m.n_active for m in modules) / max(1, len(modules))  # mean per module
         return state, upload, metrics
 
     # -- server ------------------------------------------------------------------------------------

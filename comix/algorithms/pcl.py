@@ -13,7 +13,10 @@ Defaults follow the authors' code (epfml/CoMiGS collab_run_client_level.py, wher
 silent): trust = softmax of minus the validation *perplexity* (T = 1) over 20 batches, mixing
 after rounds 5, 7, 9, ... (``epoch > 3 and epoch % 2 == 0`` with epochs from 0). With T = 1
 on perplexities that differ by several points the graph is close to one-hot: usually a client
-keeps its own model unless a peer is clearly better on its validation data.
+keeps its own model unless a peer is clearly better on its validation data. After a mixing
+round the evaluation scores the relayed peers and the next round's training scores them again
+(same batches, same weights): twice the scoring of one mixing, kept simple because evaluation
+must not change a client's state.
 """
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..algorithms import Algorithm, ClientContext, ClientState
-from ..algorithms.base import Tensors, adapter_tensors, load_adapters
+from ..algorithms.base import Tensors, adapter_tensors
 from ..data import UserData
 from ..eval import perplexity
 from ..models import mixtures, routing_stats, set_record_stats
