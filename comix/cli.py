@@ -24,11 +24,13 @@ def _console():
 
 
 def results_table(results: list[dict], users: list[str]) -> str:
+    from .compare import metric_of
     head = "| method | " + " | ".join(users) + " | mean |"
     rows = [head, "|" + "---|" * (len(users) + 2)]
     for r in results:
-        cells = [f"{r['per_user'][u]['test_ppl']:.2f}" if u in r["per_user"] else "-" for u in users]
-        rows.append(f"| {r['method']} | " + " | ".join(cells) + f" | {r['mean_test_ppl']:.2f} |")
+        key, mean = metric_of(r)
+        cells = [f"{r['per_user'][u][key]:.2f}" if key in r["per_user"].get(u, {}) else "-" for u in users]
+        rows.append(f"| {r['method']} | " + " | ".join(cells) + f" | {mean:.2f} |")
     return "\n".join(rows)
 
 
@@ -64,10 +66,14 @@ def _prepare(args, default_name: str):
     RUN_DIR = run_dir
     text = yaml.safe_dump(to_dict(cfg), sort_keys=False)
     atomic_write(run_dir / "config.yaml", lambda p: Path(p).write_text(text))
+    from .data import describe_partition
+    part = json.dumps(describe_partition(loaded[2]), indent=1)  # the same for every method of the run
+    atomic_write(run_dir / "partition.json", lambda p: Path(p).write_text(part))
     return (cfg, run_dir, *loaded)
 
 
 def cmd_run(args) -> int:
+    from .compare import metric_title
     from .engines.device import atomic_write
     from .runner import run_spec, spec_dirname
 
@@ -79,7 +85,7 @@ def cmd_run(args) -> int:
                for spec in cfg.methods]
     md = results_table(results, [u.name for u in users])
     atomic_write(run_dir / "results.md", lambda p: Path(p).write_text(
-        f"Test perplexity per user ({cfg.model}, {cfg.corpus}, seed {cfg.seed})\n\n{md}\n"))
+        f"{metric_title(results)} per user ({cfg.model}, {cfg.corpus}, seed {cfg.seed})\n\n{md}\n"))
     atomic_write(run_dir / "results.json", lambda p: Path(p).write_text(json.dumps(results, indent=2)))
     print(md)
     console.print(f"results: {run_dir}/results.md (per method: metrics.jsonl, results.json"
@@ -88,7 +94,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from .compare import collect, curves, plot_curves, references, summary_tables
+    from .compare import collect, curves, metric_title, plot_curves, references, summary_tables
     from .engines.device import atomic_write
     from .runner import run_spec, spec_dirname
 
@@ -102,15 +108,18 @@ def cmd_compare(args) -> int:
     names = [u.name for u in users]
     results = collect(run_dir, cfg.methods, seeds)
     md = summary_tables(results, names)
-    header = (f"Test perplexity ({cfg.model}, {cfg.corpus}, mode {cfg.data.mode}, seeds {seeds}): "
-              "mean over users, then mean (std) over seeds\n\n")
+    title = metric_title([r for by in results.values() for r in by.values()])
+    setup = f"mode {cfg.data.mode}" if all(u.task == "lm" for u in users) else \
+        f"partition {cfg.data.partition}" + (f", alpha {cfg.data.alpha}" if cfg.data.partition == "dirichlet" else "")
+    header = (f"{title} ({cfg.model}, {cfg.corpus}, {setup}, seeds {seeds}): "
+              "mean over users (of the last round), then mean (std) over seeds\n\n")
     atomic_write(run_dir / "compare.md", lambda p: Path(p).write_text(header + md + "\n"))
     atomic_write(run_dir / "compare.json", lambda p: Path(p).write_text(json.dumps(
         {spec: {str(s): r for s, r in by.items()} for spec, by in results.items()}, indent=2)))
     data = curves(run_dir, cfg.methods, seeds)
     refs = references(results)
-    plot_curves(data, run_dir / "curves.png", per_user=False, refs=refs)
-    plot_curves(data, run_dir / "curves_per_user.png", per_user=True, refs=refs)
+    plot_curves(data, run_dir / "curves.png", per_user=False, refs=refs, ylabel=title)
+    plot_curves(data, run_dir / "curves_per_user.png", per_user=True, refs=refs, ylabel=title)
     print(md)
     console.print(f"wrote {run_dir}/compare.md, compare.json, curves.png, curves_per_user.png")
     return 0

@@ -1,12 +1,13 @@
-"""Run a grid of methods x seeds, resumably, and summarise it like the CoMiGS paper.
+"""Run a grid of methods x seeds, resumably, and summarise it like the papers.
 
 Method specs (``hetlora:reg=0.05``) and running one spec live in ``comix.runner``.
 
 Layout: ``<run_dir>/seed<S>/<spec>/{metrics.jsonl,results.json,...}``; a finished run (its
 ``results.json`` exists) is skipped, an interrupted one resumes from its checkpoint. The summary
-holds a Table 1/5-style table (mean (std) over seeds of the users' mean test perplexity), a
-per-user table (mean over seeds), learning curves of test perplexity vs iteration (Fig. 9) and
-per-user curves (Fig. 5-7).
+holds a Table 1/5-style table (CoMiGS) or Table I/II/III-style table (FedAMoLE): mean (std) over
+seeds of the users' mean task metric (test perplexity; accuracy or Rouge-L of the last round =
+MTAL), a per-user table (mean over seeds), learning curves of that metric vs iteration (CoMiGS
+Fig. 9; FedAMoLE Fig. 5's MTA[t] when it is accuracy or Rouge-L) and per-user curves (Fig. 5-7).
 """
 from __future__ import annotations
 
@@ -14,7 +15,21 @@ import json
 import statistics
 from pathlib import Path
 
+from .engines.server import task_score
 from .runner import spec_dirname
+
+TITLES = {"test_ppl": "Test perplexity", "test_acc": "Test accuracy (%)", "test_rouge_l": "Test Rouge-L (%)",
+          "test_score": "Test task score (accuracy or Rouge-L, %)"}
+
+
+def metric_of(result: dict) -> tuple[str, float]:
+    """(metric key, mean over users) of a results.json (runs from before ``metric``: perplexity)."""
+    return result.get("metric", "test_ppl"), result.get("mean", result.get("mean_test_ppl"))
+
+
+def metric_title(results) -> str:
+    keys = {metric_of(r)[0] for r in results}
+    return TITLES[keys.pop()] if len(keys) == 1 else "Test metric"
 
 
 def collect(run_dir: Path, specs: list[str], seeds: list[int]) -> dict[str, dict[int, dict]]:
@@ -33,20 +48,24 @@ def _mean_std(xs: list[float]) -> str:
 
 
 def summary_tables(results: dict[str, dict[int, dict]], users: list[str]) -> str:
-    """Table 1/5 style (mean (std) over seeds of the users' mean test ppl) and a per-user table."""
-    lines = ["| method | mean test ppl (std over seeds) | seeds |", "|---|---|---|"]
+    """Table 1/5 (CoMiGS) or I/II/III (FedAMoLE) style: mean (std) over seeds of the users' mean
+    test metric (of the last round: MTAL for accuracy / Rouge-L), and a per-user table."""
+    title = metric_title([r for by in results.values() for r in by.values()]).lower()
+    label = f"MTAL: {title}" if "ppl" not in title and "perplexity" not in title else f"mean {title}"
+    lines = [f"| method | {label} (std over seeds) | seeds |", "|---|---|---|"]
     for spec, by_seed in results.items():
-        lines.append(f"| {spec} | {_mean_std([r['mean_test_ppl'] for r in by_seed.values()])} | {len(by_seed)} |")
+        lines.append(f"| {spec} | {_mean_std([metric_of(r)[1] for r in by_seed.values()])} | {len(by_seed)} |")
     lines += ["", "| method | " + " | ".join(users) + " |", "|" + "---|" * (len(users) + 1)]
     for spec, by_seed in results.items():
-        cells = [_mean_std(xs) if (xs := [r["per_user"][u]["test_ppl"] for r in by_seed.values()
-                                           if u in r["per_user"]]) else "-" for u in users]
+        cells = [_mean_std(xs) if (xs := [r["per_user"][u][metric_of(r)[0]] for r in by_seed.values()
+                                           if metric_of(r)[0] in r["per_user"].get(u, {})]) else "-"
+                 for u in users]
         lines.append(f"| {spec} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def curves(run_dir: Path, specs: list[str], seeds: list[int]) -> dict[str, dict[str, list[tuple[int, float]]]]:
-    """spec -> user -> [(iteration, test ppl mean over seeds)] from metrics.jsonl."""
+    """spec -> user -> [(iteration, task metric mean over seeds)] from metrics.jsonl."""
     out: dict[str, dict[str, list[tuple[int, float]]]] = {}
     for spec in specs:
         points: dict[tuple[str, int], list[float]] = {}
@@ -56,22 +75,23 @@ def curves(run_dir: Path, specs: list[str], seeds: list[int]) -> dict[str, dict[
                 continue
             for line in f.read_text().splitlines():
                 row = json.loads(line)
-                if "test_ppl" in row:
+                if score := task_score(row):
                     it = row.get("iteration", row["round"])  # runs older than the "iteration" field: rounds
-                    points.setdefault((row["user"], it), []).append(row["test_ppl"])
+                    points.setdefault((row["user"], it), []).append(score[1])
         for (user, it), v in sorted(points.items(), key=lambda kv: kv[0][1]):
             out.setdefault(spec, {}).setdefault(user, []).append((it, statistics.fmean(v)))
     return out
 
 
 def references(results: dict[str, dict[int, dict]]) -> dict[str, dict[str, float]]:
-    """Untrained methods (Pretrained): spec -> user -> test ppl, drawn as horizontal lines."""
-    return {spec: {u: statistics.fmean(r["per_user"][u]["test_ppl"] for r in by.values())
+    """Untrained methods (Pretrained): spec -> user -> test metric, drawn as horizontal lines."""
+    return {spec: {u: statistics.fmean(task_score(r["per_user"][u])[1] for r in by.values())
                    for u in next(iter(by.values()))["per_user"]}
             for spec, by in results.items() if by and all(r["rounds"] == 0 for r in by.values())}
 
 
-def plot_curves(data: dict, path: Path, per_user: bool, refs: dict | None = None) -> None:
+def plot_curves(data: dict, path: Path, per_user: bool, refs: dict | None = None,
+                ylabel: str = "test perplexity") -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -96,7 +116,7 @@ def plot_curves(data: dict, path: Path, per_user: bool, refs: dict | None = None
                 ax.axhline(level, ls="--", lw=1, color="grey", label=spec)
         ax.set_title(panel)
         ax.set_xlabel("iteration")
-        ax.set_ylabel("test perplexity")
+        ax.set_ylabel(ylabel)
     axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
     atomic_write(path, lambda p: fig.savefig(p, dpi=120, format="png"))

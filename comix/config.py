@@ -79,6 +79,8 @@ class RunConfig:
     hetlora: object = field(default_factory=SECTIONS["hetlora"])
     flexlora: object = field(default_factory=SECTIONS["flexlora"])
     fedamole: object = field(default_factory=SECTIONS["fedamole"])
+    fedprompt: object = field(default_factory=SECTIONS["fedprompt"])
+    fedptuning: object = field(default_factory=SECTIONS["fedptuning"])
 
     def options(self, method: str) -> dict:
         """The config section of ``method`` as keyword options (empty when it has none)."""
@@ -119,6 +121,9 @@ class RunConfig:
         if t.grad_clip < 0 or t.weight_decay < 0:
             raise ConfigError(f"train.grad_clip and train.weight_decay must be >= 0, got {t.grad_clip} and "
                               f"{t.weight_decay}")
+        if t.schedule not in ("cosine", "round_decay") or not 0 < t.lr_decay <= 1 or t.max_new_tokens < 1:
+            raise ConfigError(f"train.schedule must be cosine or round_decay, train.lr_decay in (0, 1] and "
+                              f"train.max_new_tokens >= 1, got {t.schedule!r}, {t.lr_decay}, {t.max_new_tokens}")
         if t.load_balance not in ("none", "uniform", "generalist"):
             raise ConfigError(f"train.load_balance must be none, uniform or generalist, got {t.load_balance!r}")
         return self

@@ -73,7 +73,9 @@ def build_algorithm(cfg: RunConfig, spec: str, n_users: int):
     return algo
 
 
-def count_users(cfg: RunConfig, corpus: dict) -> int:
+def count_users(cfg: RunConfig, corpus) -> int:
+    if hasattr(corpus, "examples"):  # an instruction set: its partition decides
+        return cfg.data.clients or len(cfg.data.users or {ex.category for ex in corpus.examples})
     return cfg.data.clients or len(cfg.data.users or corpus)
 
 
@@ -109,7 +111,8 @@ def run_spec(cfg, spec: str, seed: int, out: Path, model, users, console) -> dic
 
     if (out / "results.json").exists():  # finished earlier: keep it
         res = json.loads((out / "results.json").read_text())
-        console.print(f"{spec} (seed {seed}): done earlier, mean test ppl {res['mean_test_ppl']:.2f}")
+        console.print(f"{spec} (seed {seed}): done earlier, mean {res.get('metric', 'test_ppl')} "
+                      f"{res.get('mean', res.get('mean_test_ppl')):.2f}")
         return res
     mcfg = spec_config(cfg, spec)
     algo = build_algorithm(cfg, spec, len(users))
@@ -133,9 +136,10 @@ def run_spec(cfg, spec: str, seed: int, out: Path, model, users, console) -> dic
         task = bar.add_task(label, total=mcfg.train.rounds if algo.trains else 1, info="")
 
         def progress(p):
-            ppl = [x for x in p["test_ppl"] if x is not None]
-            shown = " ".join(f"{x:.1f}" for x in ppl) if len(ppl) <= 8 else f"mean {sum(ppl) / len(ppl):.2f}"
-            info = f"round {p['round']}/{p['rounds']} loss {p['train_loss']:.3f}" + (f" test ppl {shown}" if ppl else "")
+            xs = [x for x in p["scores"] if x is not None]
+            shown = " ".join(f"{x:.1f}" for x in xs) if len(xs) <= 8 else f"mean {sum(xs) / len(xs):.2f}"
+            name = (p["metric"] or "").replace("_", " ")
+            info = f"round {p['round']}/{p['rounds']} loss {p['train_loss']:.3f}" + (f" {name} {shown}" if xs else "")
             bar.update(task, completed=p["round"], info=info)
             bar.console.log(f"{label} {info} ({p['seconds']:.0f}s)")
 

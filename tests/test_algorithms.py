@@ -60,7 +60,7 @@ EXPECTED_SHARED = {
     # FedAvg applied to a MoE: every expert; the routers stay (the authors' "experts" strategy)
     "fedavg-moe": {"generalist", "specialist", "attention_lora"},
     "fedavg-moe-tr": {"generalist", "specialist", "attention_lora"},
-    "fedavg": LORA, "fedit": {"attention_lora"}, "pcl": LORA, "hetlora": LORA, "flexlora": LORA, "ffa-lora": LORA, "fedsa-lora": LORA,
+    "fedavg": LORA, "fedit": {"attention_lora"}, "fedit-ft": {"attention_lora"}, "pcl": LORA, "hetlora": LORA, "flexlora": LORA, "ffa-lora": LORA, "fedsa-lora": LORA,
     "fdlora": LORA,  # the global LoRA only: never the personal one or the fusion weights
     # shared expert + token projection, the assigned domain experts and RSEA's embeddings
     "fedamole": {"amole_shared", "amole_router", "domain_expert", "embedding"},
@@ -69,6 +69,8 @@ EXPECTED_SHARED = {
     "fedmole": {"amole_shared", "amole_router", "domain_expert"},
     "fedamole-a": {"amole_shared", "amole_router", "domain_expert"},
     "fedamole-s": {"amole_router", "domain_expert", "embedding"},
+    # the soft prompt only (PEFT's prompt encoder); never a base weight
+    "fedprompt": {"prompt"}, "fedprompt-ft": {"prompt"}, "fedptuning": {"prompt"}, "fedptuning-ft": {"prompt"},
 }
 NAME_RULE = {"ffa-lora": lambda n: n.endswith("lora_B"), "fedsa-lora": lambda n: n.endswith("lora_A")}
 

@@ -14,7 +14,7 @@ from .centralized import Centralized
 from .comigs import CoMiGS
 from .fdlora import FDLoRA
 from .fedamole import FedAMoLE
-from .fedavg import FedAvg, FedIT
+from .fedavg import FedAvg, FedIT, FedITFT
 from .fedsa_lora import FedSALoRA
 from .ffa_lora import FFALoRA
 from .flexlora import FlexLoRA
@@ -24,6 +24,7 @@ from .moe_baselines import FedAvgMoE, FedAvgMoETr, LocalMoE, LocalMoETr
 from .pcl import PCL
 from .pfedmoe import PFedMoE
 from .pretrained import Pretrained
+from .prompts import FedPrompt, FedPromptFT, FedPTuning, FedPTuningFT
 
 COMIGS_VARIANTS = {
     "comigs-1g1s": dict(experts=2, generalists=1),
@@ -41,7 +42,8 @@ FEDAMOLE_VARIANTS = {  # Table III's ablations (journal; names from the arXiv ve
     "fedamole-h": dict(homogeneous=True),
 }
 CLASSES = (Pretrained, Local, FedAvg, Centralized, FFALoRA, FedSALoRA, PCL, FDLoRA, HetLoRA, FlexLoRA,
-           PFedMoE, LocalMoE, FedAvgMoE, LocalMoETr, FedAvgMoETr, FedAMoLE, FedIT)
+           PFedMoE, LocalMoE, FedAvgMoE, LocalMoETr, FedAvgMoETr, FedAMoLE, FedIT, FedITFT, FedPrompt,
+           FedPromptFT, FedPTuning, FedPTuningFT)
 REGISTRY: dict[str, tuple[type[Algorithm], dict]] = {
     **{cls.name: (cls, getattr(cls, "variant", {})) for cls in CLASSES},
     **{name: (CoMiGS, kw) for name, kw in COMIGS_VARIANTS.items()},

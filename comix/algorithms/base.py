@@ -49,6 +49,9 @@ class TrainConfig:
       tau 30, router_steps 10 .......... paper App. B.1 (update period and steps of Alg. 1).
       lb_weight 0.01, uniform .......... paper Sec. 3.3 / App. B.1 ("always applied").
       10 local steps, 20 rounds, 64x128  paper App. B.1.
+    FedAMoLE's recipes (configs/fedamole/) set the journal's Sec. V-A-4 instead: Adam (AdamW with
+    weight_decay 0, betas (0.9, 0.999): torch's Adam defaults) at 5e-5, ``schedule: round_decay``
+    (lr x ``lr_decay`` = 0.99 per round, the reference's ``--lr_decay``), batch 1, 200 steps.
     At n = 2 experts with top-2 routing every expert is always selected (f_j = 1), so the
     load-balance loss n * sum_j f_j P_j = 2 is a constant with zero gradient: it changes
     nothing for 1G1S / 2G / 2S / pFedMoE (and Table 6's n = 2 rows are equal by construction).
@@ -59,6 +62,8 @@ class TrainConfig:
     seq_len: int = 128
     lr: float = 2e-3                # expert lr: cosine from lr to lr * min_lr_ratio
     min_lr_ratio: float = 0.1
+    schedule: str = "cosine"        # cosine | round_decay (lr * lr_decay ** round: FedAMoLE)
+    lr_decay: float = 0.99
     warmup_frac: float = 0.0        # share of the schedule spent in linear warm-up (authors: none)
     weight_decay: float = 0.01
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
@@ -73,6 +78,7 @@ class TrainConfig:
     eval_every: int = 1             # evaluate valid/test perplexity every k rounds (and the last)
     eval_batch_size: int = 8
     eval_splits: list[str] = field(default_factory=lambda: ["valid", "test"])
+    max_new_tokens: int = 128       # generation tasks: greedy answer length cap (FedAMoLE's evaluator)
 
 
 @dataclass
@@ -105,6 +111,8 @@ def expert_lr(step: int, total: int, train: TrainConfig) -> float:
     """The expert learning rate at ``step`` (from 0) of ``total``: optional linear warm-up, then
     cosine annealing from ``lr`` to ``lr * min_lr_ratio`` (torch's CosineAnnealingLR with
     eta_min, as the authors' clients.py)."""
+    if train.schedule == "round_decay":  # constant within a round, x lr_decay after each
+        return train.lr * train.lr_decay ** (step // train.local_steps)
     total = max(total, 1)
     up = int(train.warmup_frac * total)
     if step < up:
@@ -132,6 +140,12 @@ class Algorithm:
     lora_modules = 2             # "2x LoRA modules" on the MLP to match CoMiGS-1G1S (paper Sec. 4.2)
     common_init = False          # every client starts from the *same* adapters (FFA-LoRA's frozen A)
     section: str | None = None   # the config section holding this method's options
+    # Post-aggregation fine-tuning (FedAMoLE's "-FT" baselines, after Yu et al.): each client's
+    # personal model is the latest global model fine-tuned on its own data. As the reference
+    # (train_baselines.py, --do_ft) does, that fine-tuning is the client's local training of the
+    # next round: a client is evaluated on the model it holds after local training, before the
+    # new aggregate replaces it, and keeps that model at the end.
+    evaluate_local = False
 
     def __init__(self, lora: LoRAConfig, train: TrainConfig, n_clients: int):
         self.lora, self.train, self.n_clients = lora, train, n_clients
@@ -229,11 +243,13 @@ class Algorithm:
         """The adapters this client holds after taking ``payload`` (what it is evaluated with),
         without changing ``state``."""
         personal = ClientState(adapters=dict(state.adapters), extra=state.extra)
+        if self.evaluate_local:
+            return personal.adapters
         return self.apply_payload(personal, payload).adapters
 
     def client_finish(self, ctx: ClientContext, state: ClientState, payload: Tensors) -> ClientState:
         """After the last server round: take the final payload (FDLoRA also fuses here)."""
-        return self.apply_payload(state, payload)
+        return state if self.evaluate_local else self.apply_payload(state, payload)
 
     def regularizer(self, ctx: ClientContext, state: ClientState) -> torch.Tensor:
         """Extra term of the local loss (HetLoRA's rank regulariser); none by default."""
@@ -326,10 +342,13 @@ def step_on(loss: torch.Tensor, params: list[nn.Parameter], opt: torch.optim.Opt
 
 
 def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy; the batch (sampled on the CPU) moves to the model's device."""
+    """Mean next-token cross-entropy over the targets that are not -100 (instruction data: the
+    response only); the batch (sampled on the CPU) moves to the model's device. A model that
+    prepends virtual tokens (prompt tuning) returns logits for them too: the last positions are
+    the inputs'."""
     device = model.get_input_embeddings().weight.device
     x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-    logits = model(input_ids=x).logits
+    logits = model(input_ids=x).logits[:, -x.shape[1]:]
     return nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 

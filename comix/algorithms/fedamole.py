@@ -141,10 +141,23 @@ class FedAMoLE(Algorithm):
             state.adapters[n] = t.detach().clone().float()
         return state
 
-    def split(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(training tokens, embedding set): the embedding set is the last embed_frac, never trained on."""
-        cut = len(tokens) - max(self.train.seq_len + 1, int(self.embed_frac * len(tokens)))
-        return tokens[:cut], tokens[cut:]
+    def split(self, data):
+        """(training data, embedding set): the embedding set is the last embed_frac (of the tokens,
+        or of the instruction examples), never trained on."""
+        if hasattr(data, "subset"):
+            cut = len(data) - max(1, int(self.embed_frac * len(data)))
+            return data.subset(0, cut), data.subset(cut)
+        cut = len(data) - max(self.train.seq_len + 1, int(self.embed_frac * len(data)))
+        return data[:cut], data[cut:]
+
+    def embedding_inputs(self, aux) -> list[torch.Tensor]:
+        """The forwards over the embedding set: ``embed_windows`` windows of seq_len tokens in one
+        batch, or that many instruction examples one at a time (no padding enters the means)."""
+        if hasattr(aux, "subset"):
+            return [aux.ids[i][None] for i in range(min(self.embed_windows, len(aux)))]
+        L = self.train.seq_len
+        windows = min(self.embed_windows, (len(aux) - 1) // L)
+        return [aux[:windows * L].long().reshape(windows, L)]
 
     def train_batch(self, ctx: ClientContext, gen: torch.Generator):
         return sample_batch(self.split(ctx.data.train)[0], self.train.batch_size, self.train.seq_len, gen)
@@ -162,30 +175,32 @@ class FedAMoLE(Algorithm):
         """Eq. 23 and 25 on the embedding set: per module the mean token embedding and the mean
         expert embedding of each assigned expert."""
         _, aux = self.split(ctx.data.train)
-        L = self.train.seq_len
-        windows = min(self.embed_windows, (len(aux) - 1) // L)
-        x = aux[:windows * L].long().reshape(windows, L)
-        sums: dict[str, list] = {}
+        sums: dict[str, list] = {}  # module -> [token sum (r), expert sums (n, r), token count]
 
         def hook(name):
             def record(module: AMoLELinear, args, _out):
                 h = args[0].reshape(-1, args[0].shape[-1]).float()
                 n, r = module.n_active, module.cfg.r
-                e = (h @ module.expert_A[:n].reshape(n * r, -1).t().float()).reshape(-1, n, r).mean(0)
-                t = (h @ module.token_proj.t().float()).mean(0) if module.token_proj is not None else None
-                sums[name] = [t, e]
+                e = (h @ module.expert_A[:n].reshape(n * r, -1).t().float()).reshape(-1, n, r).sum(0)
+                t = (h @ module.token_proj.t().float()).sum(0) if module.token_proj is not None else None
+                prev = sums.get(name)
+                sums[name] = [t, e, len(h)] if prev is None else \
+                    [None if t is None else prev[0] + t, prev[1] + e, prev[2] + len(h)]
             return record
         modules = amole_modules(ctx.model)
         handles = [m.register_forward_hook(hook(n)) for n, m in modules.items()]
         ids = {n: m.slot_ids[:m.n_active].tolist() for n, m in modules.items()}
+        device = ctx.model.get_input_embeddings().weight.device
         try:
             with torch.inference_mode():
                 ctx.model.eval()
-                ctx.model(input_ids=x.to(ctx.model.get_input_embeddings().weight.device))
+                for x in self.embedding_inputs(aux):
+                    ctx.model(input_ids=x.to(device))
                 ctx.model.train()
         finally:
             for h in handles:
                 h.remove()
+        sums = {name: [None if t is None else t / count, e / count] for name, (t, e, count) in sums.items()}
         gen = torch.Generator().manual_seed(ctx.client)
         noise = (lambda t: t + self.embed_noise * torch.randn(t.shape, generator=gen)) if self.embed_noise \
             else (lambda t: t)

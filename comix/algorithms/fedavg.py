@@ -21,3 +21,9 @@ class FedIT(FedAvg):
     def adapter_config(self, client: int) -> AdapterConfig:
         lora = LoRAConfig(r=self.lora.r, alpha=self.lora.alpha, dropout=0.05, rslora=False)
         return AdapterConfig(lora=lora, mlp="none", attention_targets=("q_proj", "v_proj"))
+
+
+class FedITFT(FedIT):
+    """FedIT-FT: FedIT with post-aggregation fine-tuning (algorithms/base.py, ``evaluate_local``)."""
+    name = "fedit-ft"
+    evaluate_local = True

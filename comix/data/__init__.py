@@ -1,7 +1,7 @@
 """Corpora (built-in offline, online ``datasets`` loaders, user folders) and per-user splits."""
 from .corpora import BUILTIN, ONLINE, builtin, load_corpus, user_dirs
-from .splits import (SplitConfig, UserData, check_seq_len, make_user_data, sample_batch, token_table,
+from .splits import (SplitConfig, UserData, check_seq_len, describe_partition, make_user_data, sample_batch, token_table,
                      tokenize_docs)
 
 __all__ = ["BUILTIN", "ONLINE", "builtin", "load_corpus", "user_dirs", "SplitConfig", "UserData",
-           "check_seq_len", "make_user_data", "sample_batch", "token_table", "tokenize_docs"]
+           "check_seq_len", "describe_partition", "make_user_data", "sample_batch", "token_table", "tokenize_docs"]

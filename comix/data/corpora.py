@@ -146,13 +146,23 @@ def user_dirs(root: str | Path) -> Corpus:
     return out
 
 
-def load_corpus(name: str, **kw) -> Corpus:
-    """``multilingual`` | ``topics`` | an online loader name | a directory of user folders."""
+def load_corpus(name: str, **kw):
+    """``multilingual`` | ``topics`` | an online loader name | a directory of user folders (text
+    corpora, ``{category: documents}``), or an instruction set (``InstructionSet``): built-in
+    ``instructions`` / ``relations``, online ``snli`` / ``dolly`` / ``natural_instructions``, or
+    a ``.jsonl`` file of examples."""
+    from .instructions import BUILTIN_SETS, ONLINE_SETS, builtin_set, instruction_file, online_set
     if name in BUILTIN:
         return builtin(name)
+    if name in BUILTIN_SETS:
+        return builtin_set(name)
     if name in ONLINE:
         return ONLINE[name](**kw)
+    if name in ONLINE_SETS:
+        return online_set(name, **kw)
     if Path(name).is_dir():
         return user_dirs(name)
-    raise ValueError(f"unknown corpus {name!r}: use one of {', '.join([*BUILTIN, *ONLINE])} "
-                     "or a directory with one folder per client")
+    if name.endswith(".jsonl") and Path(name).is_file():
+        return instruction_file(name)
+    raise ValueError(f"unknown corpus {name!r}: use one of {', '.join([*BUILTIN, *BUILTIN_SETS, *ONLINE, *ONLINE_SETS])}, "
+                     "a directory with one folder per client or a .jsonl file of instruction examples")

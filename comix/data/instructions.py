@@ -15,12 +15,17 @@
 """
 from __future__ import annotations
 
+import json
+import lzma
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from .splits import dirichlet_mixtures
+
+BUILTIN_DIR = Path(__file__).parent / "builtin"
 
 ALPACA_INPUT = ("Below is an instruction that describes a task, paired with an input that provides further context. "
                 "Write a response that appropriately completes the request.\n\n"
@@ -63,9 +68,18 @@ class InstructionSplit:
     ids: list[torch.Tensor] = field(repr=False)
     labels: list[torch.Tensor] = field(repr=False)
     pad_id: int = 0
+    tokenizer: object = field(default=None, repr=False)  # decodes generations, encodes label choices
+
+    def prompt_ids(self, i: int) -> torch.Tensor:
+        """Example i's prompt tokens (everything before its target)."""
+        return self.ids[i][:int((self.labels[i] == -100).sum())]
 
     def __len__(self) -> int:
         return len(self.examples)
+
+    def subset(self, start: int, stop: int | None = None) -> "InstructionSplit":
+        return InstructionSplit(self.examples[start:stop], self.ids[start:stop], self.labels[start:stop], self.pad_id,
+                                self.tokenizer)
 
     def sample(self, batch_size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """A random batch, right-padded: inputs x and next-token targets y (-100 where no loss)."""
@@ -92,53 +106,121 @@ def tokenize_examples(examples: list[Example], tokenizer, max_len: int = 512) ->
         ids.append(torch.tensor(p + t, dtype=torch.long))
         labels.append(torch.tensor([-100] * len(p) + t, dtype=torch.long))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return InstructionSplit(list(examples), ids, labels, pad)
+    return InstructionSplit(list(examples), ids, labels, pad, tokenizer)
 
 
-def dirichlet_label_skew(examples: list[Example], n_clients: int, alpha: float, seed: int) -> list[list[Example]]:
-    """Per category, its examples shared out over clients by Dirichlet(alpha) proportions."""
+def dirichlet_label_skew(examples: list[Example], n_clients: int, alpha: float, seed: int,
+                         min_size: int = 10) -> list[list[Example]]:
+    """Per category, its examples shared out over clients by Dirichlet(alpha) proportions; drawn
+    again until every client holds at least ``min_size`` examples (NIID-Bench's
+    ``min_require_size`` = 10, Li et al. 2022, whose label-skew partition the paper follows)."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     by_cat: dict[str, list[Example]] = {}
     for ex in examples:
         by_cat.setdefault(ex.category, []).append(ex)
-    clients: list[list[Example]] = [[] for _ in range(n_clients)]
-    shares = dirichlet_mixtures(len(by_cat), n_clients, alpha, gen)  # (categories, clients)
-    for k, cat in enumerate(sorted(by_cat)):
-        items = by_cat[cat][:]
-        rng.shuffle(items)
-        cuts = (shares[k].cumsum(0) * len(items)).round().long().tolist()
-        start = 0
-        for c, end in enumerate(cuts):
-            clients[c].extend(items[start:end])
-            start = end
+    for cat in by_cat.values():
+        rng.shuffle(cat)
+    if len(examples) < n_clients * min_size:
+        raise ValueError(f"data.clients = {n_clients}: {len(examples)} examples cannot give each client {min_size}")
+    for _ in range(1000):
+        clients: list[list[Example]] = [[] for _ in range(n_clients)]
+        shares = dirichlet_mixtures(len(by_cat), n_clients, alpha, gen)  # (categories, clients)
+        for k, cat in enumerate(sorted(by_cat)):
+            items = by_cat[cat]
+            cuts = (shares[k].cumsum(0) * len(items)).round().long().tolist()
+            start = 0
+            for c, end in enumerate(cuts):
+                clients[c].extend(items[start:end])
+                start = end
+        if min(map(len, clients)) >= min_size:
+            break
+    else:
+        raise ValueError(f"data.alpha = {alpha}: 1000 Dirichlet draws all left a client with fewer than "
+                         f"{min_size} of the {len(examples)} examples; use a larger alpha or fewer clients")
     for c in clients:
         rng.shuffle(c)
     return clients
 
 
 def task_per_client(examples: list[Example], n_clients: int, seed: int) -> list[list[Example]]:
-    """Client i gets every example of the i-th category (task), categories in sorted order."""
-    cats = sorted({ex.category for ex in examples})
-    if len(cats) < n_clients:
-        raise ValueError(f"data.partition=task needs one task per client: {len(cats)} tasks for {n_clients} clients")
+    """One task per client: the ``n_clients`` tasks with the most examples (the paper's NI
+    scenario: "the 10 tasks with the largest sample sizes"), clients in task-name order."""
+    sizes: dict[str, int] = {}
+    for ex in examples:
+        sizes[ex.category] = sizes.get(ex.category, 0) + 1
+    if len(sizes) < n_clients:
+        raise ValueError(f"data.partition=task needs one task per client: {len(sizes)} tasks for {n_clients} clients")
+    cats = sorted(sorted(sizes, key=lambda c: (-sizes[c], c))[:n_clients])
     rng = random.Random(seed)
     out = []
-    for cat in cats[:n_clients]:
+    for cat in cats:
         items = [ex for ex in examples if ex.category == cat]
         rng.shuffle(items)
         out.append(items)
     return out
 
 
-def client_splits(examples: list[Example], classification: bool, seed: int) -> dict[str, list[Example]]:
-    """80/10/10 train/valid/test; valid capped at 200, test at 200 (classification) or 50."""
+def client_splits(examples: list[Example], classification: bool, seed: int, valid_cap: int | None = None,
+                  test_cap: int | None = None) -> dict[str, list[Example]]:
+    """80/10/10 train/valid/test; valid capped at 200, test at 200 (classification) or 50
+    (the paper's caps; ``valid_cap`` / ``test_cap`` override them for small runs)."""
     items = examples[:]
     random.Random(seed).shuffle(items)
-    n_valid, n_test = round(0.1 * len(items)), round(0.1 * len(items))
-    test = items[:n_test][:200 if classification else 50]
-    valid = items[n_test:n_test + n_valid][:200]
+    n_valid, n_test = max(1, round(0.1 * len(items))), max(1, round(0.1 * len(items)))
+    test = items[:n_test][:test_cap or (200 if classification else 50)]
+    valid = items[n_test:n_test + n_valid][:valid_cap or 200]
     return {"train": items[n_test + n_valid:], "valid": valid, "test": test}
+
+
+@dataclass
+class InstructionSet:
+    """A labelled instruction set: its examples (``category`` = label, Dolly category or task),
+    whether it is ``classification`` (answers are one of ``choices``) or ``generation``."""
+    name: str
+    examples: list[Example]
+    task: str = "generation"
+    choices: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.task not in ("classification", "generation"):
+            raise ValueError(f"instruction set {self.name}: task must be classification or generation")
+        if self.task == "classification" and len(self.choices) < 2:
+            raise ValueError(f"instruction set {self.name}: a classification set needs >= 2 choices")
+        if not self.examples:
+            raise ValueError(f"instruction set {self.name} holds no examples")
+
+
+def instruction_clients(iset: InstructionSet, tokenizer, cfg) -> list:
+    """Clients of ``iset`` as ``cfg`` (a SplitConfig) partitions it: ``task`` (one task per
+    client: ``data.users`` names them, else the ``data.clients`` largest, else all) or
+    ``dirichlet`` (``data.clients`` clients, ``data.alpha``); each split 80/10/10. The
+    partition depends only on the data and ``data.seed``: the same for every method."""
+    from .splits import UserData
+    classification = iset.task == "classification"
+    if cfg.partition == "task":
+        examples = iset.examples
+        if cfg.users:
+            unknown = sorted(set(cfg.users) - {ex.category for ex in examples})
+            if unknown:
+                raise ValueError(f"data.users names unknown task(s) {', '.join(unknown)} of {iset.name}")
+            examples = [ex for ex in examples if ex.category in cfg.users]
+        n = cfg.clients or len({ex.category for ex in examples})
+        parts = task_per_client(examples, n, cfg.seed)
+        names = [p[0].category for p in parts]
+    else:
+        if not cfg.clients:
+            raise ValueError("data.partition=dirichlet needs data.clients (the number of clients)")
+        parts = dirichlet_label_skew(iset.examples, cfg.clients, cfg.alpha, cfg.seed)
+        names = [f"client{i:0{len(str(cfg.clients - 1))}d}" for i in range(cfg.clients)]
+    users = []
+    for i, (name, part) in enumerate(zip(names, parts)):
+        if len(part) < 3:
+            raise ValueError(f"client {name} of {iset.name} has {len(part)} examples; need at least 3 to split")
+        split = client_splits(part, classification, cfg.seed * 1000 + i, cfg.valid_examples, cfg.test_examples)
+        tok = {k: tokenize_examples(v, tokenizer, cfg.max_len) for k, v in split.items()}
+        users.append(UserData(name, tok["train"], tok["valid"], tok["test"], task=iset.task, choices=iset.choices))
+    return users
 
 
 # -- real loaders (``datasets``); ``data_files``: a local copy with the hub dataset's schema ------------
@@ -184,3 +266,63 @@ def natural_instructions(data_files=None, tasks: list[str] | None = None, limit_
         seen[task] = seen.get(task, 0) + 1
         out.append(Example(r["definition"].strip(), r["targets"].strip(), input=r["inputs"].strip(), category=task))
     return out
+
+
+# -- built-in offline sets (scripts/build_instructions.py; builtin/PROVENANCE.md) and local files --------
+RELATIONS = ("Synonym", "Antonym", "Unrelated")
+BUILTIN_SETS = {"instructions": ("generation", ()), "relations": ("classification", RELATIONS)}
+
+
+def _example_rows(path, lines) -> list[Example]:
+    out = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict):
+                raise TypeError
+        except (json.JSONDecodeError, TypeError):
+            raise ValueError(f"{path}:{i}: not a JSON object") from None
+        for key in ("instruction", "output"):
+            if not isinstance(row.get(key), str) or not row[key].strip():
+                raise ValueError(f"{path}:{i}: field {key!r} must be a non-empty string")
+        out.append(Example(row["instruction"], row["output"], input=row.get("input") or "",
+                           category=str(row.get("task") or row.get("category") or "")))
+    return out
+
+
+def builtin_set(name: str) -> InstructionSet:
+    task, choices = BUILTIN_SETS[name]
+    path = BUILTIN_DIR / f"{name}.jsonl.xz"
+    with lzma.open(path, "rt", encoding="utf-8") as fh:
+        return InstructionSet(name, _example_rows(path, fh), task, choices)
+
+
+def instruction_file(path: str | Path) -> InstructionSet:
+    """A user's instruction set: JSON lines with ``instruction``, ``output`` and optionally
+    ``input`` and ``task`` (or ``category``: what partitions use); a first line
+    ``{"choices": [...]}`` makes it a classification set (every output one of the choices)."""
+    path = Path(path)
+    lines = path.read_text(encoding="utf-8").splitlines()
+    choices: tuple[str, ...] = ()
+    if lines and lines[0].strip().startswith("{") and "choices" in json.loads(lines[0]):
+        choices = tuple(json.loads(lines[0])["choices"])
+        lines = ["", *lines[1:]]  # keep line numbers
+    examples = _example_rows(path, lines)
+    for i, ex in enumerate(examples):
+        if choices and ex.output not in choices:
+            raise ValueError(f"{path}: example {i + 1} answers {ex.output!r}, not one of the choices {list(choices)}")
+    return InstructionSet(path.stem, examples, "classification" if choices else "generation", choices)
+
+
+def online_set(name: str, **kw) -> InstructionSet:
+    """The papers' data through ``datasets`` (``data_files``: a local copy of the same schema)."""
+    if name == "snli":
+        return InstructionSet("snli", snli(**kw), "classification", SNLI_CHOICES)
+    if name == "dolly":
+        return InstructionSet("dolly", dolly(**kw), "generation")
+    return InstructionSet("natural_instructions", natural_instructions(**kw), "generation")
+
+
+ONLINE_SETS = ("snli", "dolly", "natural_instructions")

@@ -42,8 +42,17 @@ class SplitConfig:
     clients: int = 0                       # > 0: that many clients with Dirichlet mixtures of the categories
     alpha: float = 1.0                     # Dirichlet concentration of those mixtures
     client_train_tokens: int | None = None  # training tokens per client (default: an equal share)
+    # instruction sets (FedAMoLE Sec. V-A-3; data/instructions.py)
+    partition: str = "task"                # task: one task per client (NI) | dirichlet: label skew (SNLI, Dolly)
+    max_len: int = 512                     # tokens per example (prompt cut from its start)
+    valid_examples: int | None = None      # cap per client; None = the paper's 200
+    test_examples: int | None = None       # cap per client; None = the paper's 200 (classification) / 50
 
     def __post_init__(self):
+        if self.partition not in ("task", "dirichlet"):
+            raise ValueError(f"data.partition must be task or dirichlet, got {self.partition!r}")
+        if self.max_len < 8 or any(v is not None and v < 1 for v in (self.valid_examples, self.test_examples)):
+            raise ValueError("data.max_len must be >= 8, data.valid_examples and data.test_examples >= 1")
         if self.clients < 0 or self.alpha <= 0 or (self.client_train_tokens is not None and self.client_train_tokens < 2):
             raise ValueError("data.clients must be >= 0, data.alpha > 0 and data.client_train_tokens >= 2")
         if self.clients and (self.mode != "in" or self.train_tokens is not None):
@@ -56,11 +65,17 @@ class SplitConfig:
 
 @dataclass
 class UserData:
+    """One client's private data. Language modelling (``task="lm"``): train / valid / test are
+    token streams; instruction tasks (``"classification"`` with its label ``choices``, or
+    ``"generation"``): they are ``InstructionSplit``s of tokenised examples. Batching
+    (``sample_batch``) and evaluation dispatch on that, so methods never ask which it is."""
     name: str
     train: torch.Tensor
     valid: torch.Tensor
     test: torch.Tensor
     splits: tuple[str, ...] = field(default=("train", "valid", "test"), repr=False)
+    task: str = "lm"                       # lm | classification | generation
+    choices: tuple[str, ...] = ()          # classification: the label strings scored by the LM
 
     def tokens(self, split: str) -> torch.Tensor:
         return getattr(self, split)
@@ -107,6 +122,9 @@ def _split_docs(docs: list[str], cfg: SplitConfig, name: str):
 
 def make_user_data(corpus: Corpus, tokenizer, cfg: SplitConfig | None = None) -> list[UserData]:
     cfg = cfg or SplitConfig()
+    if hasattr(corpus, "examples"):  # an InstructionSet: clients of tokenised examples
+        from .instructions import instruction_clients
+        return instruction_clients(corpus, tokenizer, cfg)
     names = cfg.users or list(corpus)
     for n in names:
         if n not in corpus:
@@ -187,21 +205,48 @@ def dirichlet_clients(parts: dict[str, dict[str, torch.Tensor]], cfg: SplitConfi
 
 
 def token_table(users: list[UserData]) -> str:
-    """Token counts per user and split, laid out like CoMiGS's Table 4 (a summary for many clients)."""
+    """Token counts per user and split, laid out like CoMiGS's Table 4 (a summary for many
+    clients); examples instead of tokens for instruction tasks."""
+    unit = "tokens" if all(u.task == "lm" for u in users) else "examples"
     if len(users) > 8:
-        rows = [f"{len(users)} clients"]
+        rows = [f"{len(users)} clients ({unit})"]
         for s in ("train", "valid", "test"):
             counts = [len(u.tokens(s)) for u in users]
             rows.append(f"{s.upper():8s} min {min(counts):,}  mean {sum(counts) // len(counts):,}  max {max(counts):,}")
         return "\n".join(rows)
-    head = f"{'':12s}" + "".join(f"{u.name:>12s}" for u in users)
+    head = f"{unit:12s}" + "".join(f"{u.name[-11:]:>12s}" for u in users)
     rows = [f"{s.upper():12s}" + "".join(f"{len(u.tokens(s)):>12,d}" for u in users)
             for s in ("train", "valid", "test")]
     return "\n".join([head, *rows])
 
 
+def describe_partition(users: list[UserData]) -> dict:
+    """What each client holds (sizes and a content hash per split): written with every run
+    (partition.json) so two runs can be checked to share one partition."""
+    def digest(split) -> str:
+        h = hashlib.sha1()
+        for t in (split.ids if hasattr(split, "ids") else [split]):
+            h.update(t.numpy().tobytes())
+        return h.hexdigest()[:16]
+    out = {}
+    for u in users:
+        row = {"task": u.task}
+        for s in ("train", "valid", "test"):
+            split = u.tokens(s)
+            row[s] = {"size": len(split), "sha1": digest(split)}
+            if hasattr(split, "examples"):
+                cats: dict[str, int] = {}
+                for ex in split.examples:
+                    cats[ex.category] = cats.get(ex.category, 0) + 1
+                row[s]["categories"] = dict(sorted(cats.items()))
+        out[u.name] = row
+    return out
+
+
 def check_seq_len(users: list[UserData], seq_len: int) -> None:
     for u in users:
+        if u.task != "lm":  # instruction examples are whole sequences (data.max_len caps them)
+            continue
         for s in ("train", "valid", "test"):
             if len(u.tokens(s)) < seq_len + 1:
                 raise ValueError(f"seq_len {seq_len} is longer than user {u.name!r}'s {s} split "
@@ -209,7 +254,11 @@ def check_seq_len(users: list[UserData], seq_len: int) -> None:
 
 
 def sample_batch(tokens: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator):
-    """Random windows as in nanoGPT: inputs x and next-token targets y, each (batch, seq_len)."""
+    """Random windows as in nanoGPT: inputs x and next-token targets y, each (batch, seq_len).
+    A split of instruction examples samples itself (``InstructionSplit.sample``: whole
+    examples, targets -100 off the response)."""
+    if hasattr(tokens, "sample"):
+        return tokens.sample(batch_size, generator)
     if len(tokens) < seq_len + 1:
         raise ValueError(f"seq_len {seq_len} is longer than the split ({len(tokens)} tokens)")
     ix = torch.randint(len(tokens) - seq_len, (batch_size,), generator=generator, device=generator.device)

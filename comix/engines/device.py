@@ -5,7 +5,7 @@ Flower messages). A ``Device`` answers three requests:
     initialised shared tensors (the server builds round 1's payloads from them);
   * ``train(payload, round, finish)``: one local round (``Algorithm.client_round``), then with
     ``finish`` the algorithm's final step on the last payload (``client_finish``);
-  * ``evaluate(payload)``: perplexity of the model this client holds after the round.
+  * ``evaluate(payload)``: the task metrics of the model this client holds after the round.
 Private state (adapters incl. specialists and routers, optimizer moments, RNG) lives in a
 ``StateStore``: memory, or files keyed by the client id so that a restarted device continues.
 """
@@ -24,6 +24,7 @@ from ..algorithms import Algorithm, ClientContext, ClientState
 from ..algorithms.base import Tensors, adapter_tensors
 from ..data import UserData
 from ..eval import perplexity
+from ..eval.tasks import split_accuracy, split_response_nll, split_rouge_l
 from ..models import mixtures, routing_stats, set_record_stats
 from ..models.amole import AMoLELinear
 from ..models.lora import LoRALinear, LoRAWeights
@@ -68,6 +69,20 @@ def fresh_adapters(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
                     kaiming(a)
                 m.expert_B.zero_()
                 kaiming(m.token_proj if m.token_proj is not None else m.vanilla_router.weight)
+        for m in model.modules():
+            init = getattr(m, "comix_init", None)  # a PEFT soft prompt (models/inject.add_soft_prompt)
+            if init is None:
+                continue
+            for name, p in m.named_parameters():
+                if type(m).__name__ == "PromptEmbedding":  # prompt tuning: the TEXT init, deterministic
+                    p.copy_(init[name])
+                elif p.dim() == 2 and name.endswith("embedding.weight"):  # P-tuning: nn.Embedding's N(0, 1)
+                    p.copy_(torch.randn(p.shape, generator=gen))
+                elif p.dim() == 2:
+                    kaiming(p)
+                else:  # nn.Linear's bias init: U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+                    fan_in = dict(m.named_parameters())[name[:-len("bias")] + "weight"].shape[1]
+                    p.copy_((torch.rand(p.shape, generator=gen) * 2 - 1) / math.sqrt(fan_in))
     return adapter_tensors(model)
 
 
@@ -127,17 +142,39 @@ class RoundStore(StateStore):
                 old.unlink()
 
 
-def evaluate(model: nn.Module, user: UserData, seq_len: int, batch_size: int, splits=("valid", "test"),
-             runtime: Runtime = Runtime()):
+def evaluate(model: nn.Module, user: UserData, train, runtime: Runtime = Runtime()) -> dict:
+    """What a client reports after a round, chosen by its data's task (``train`` = the run's
+    TrainConfig): perplexity of each of ``train.eval_splits`` (on instruction data: of the
+    responses); for classification the test accuracy (%), for generation the test Rouge-L (%) of
+    greedy answers of at most ``train.max_new_tokens`` (FedAMoLE Sec. V-A-2); mixtures add their
+    mean gate per layer and expert on one validation batch."""
+    seq_len, batch_size = train.seq_len, train.eval_batch_size
+    out = {}
     with runtime.autocast():
-        out = {f"{s}_ppl": perplexity(model, user.tokens(s), seq_len, batch_size) for s in splits}
+        for s in train.eval_splits:
+            if user.task == "lm":
+                out[f"{s}_ppl"] = perplexity(model, user.tokens(s), seq_len, batch_size)
+            else:
+                total, n = split_response_nll(model, user.tokens(s), batch_size)
+                out[f"{s}_ppl"] = math.exp(total / max(1, n))
+        if "test" in train.eval_splits and user.task != "lm":
+            was_training = model.training
+            model.eval()
+            if user.task == "classification":
+                out["test_acc"] = split_accuracy(model, user.test, user.choices, batch_size)
+            else:
+                out["test_rouge_l"] = split_rouge_l(model, user.test, train.max_new_tokens, batch_size)
+            model.train(was_training)
     if mixtures(model):  # mean gate per layer and expert on one validation batch
         set_record_stats(model, True)
-        rows = max(1, min(4, (len(user.valid) - 1) // seq_len))
+        if user.task == "lm":
+            rows = max(1, min(4, (len(user.valid) - 1) // seq_len))
+            batch = user.valid[:rows * seq_len].long().reshape(rows, seq_len)
+        else:
+            batch = user.valid.sample(min(4, len(user.valid)), torch.Generator().manual_seed(0))[0]
         with torch.inference_mode(), runtime.autocast():
             model.eval()
-            batch = user.valid[:rows * seq_len].long().reshape(rows, seq_len).to(runtime.device)
-            model(input_ids=batch)
+            model(input_ids=batch.to(runtime.device))
         out["gates"] = [[round(v, 4) for v in s["mean_gate"].tolist()] for s in routing_stats(model)]
         set_record_stats(model, False)
     return out
@@ -180,5 +217,4 @@ class Device:
 
     def evaluate(self, payload: Tensors, user: UserData) -> dict:
         t = self.algorithm.train
-        return evaluate(self.personal_model(payload), user, t.seq_len, t.eval_batch_size, t.eval_splits,
-                        self.runtime)
+        return evaluate(self.personal_model(payload), user, t, self.runtime)

@@ -115,7 +115,7 @@ def run_method(algorithm: Algorithm, base: nn.Module, users: list[UserData], out
     names = [u.name for u in users]
     if not algorithm.trains:  # Pretrained: the frozen base on every user's splits
         t = algorithm.train
-        per_user = {u.name: evaluate(base, u, t.seq_len, t.eval_batch_size, t.eval_splits, runtime) for u in users}
+        per_user = {u.name: evaluate(base, u, t, runtime) for u in users}
         return finish_run(out_dir, algorithm, names, per_user, bytes_up=0, rounds=0)
     if offload and not (resume and (out_dir / "checkpoint.pt").exists()):
         for stale in (out_dir / "clients").glob("client*.pt"):  # a fresh run starts from scratch

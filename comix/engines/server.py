@@ -130,25 +130,47 @@ def serve(algorithm: Algorithm, transport: Transport, users: list[str], out_dir:
         atomic_write(ckpt_path, lambda p: torch.save(ck, p))
         if progress:
             losses = [r["train_loss"] for r in lines if "train_loss" in r]
+            scores = [task_score(r) for r in lines]
             progress({"round": rnd + 1, "rounds": train.rounds, "seconds": time.time() - t0,
                       "train_loss": sum(losses) / max(1, len(losses)),
-                      "test_ppl": [r.get("test_ppl") for r in lines]})
+                      "metric": next((k for k, _ in filter(None, scores)), None),
+                      "scores": [sc[1] if sc else None for sc in scores]})
     last = [json.loads(ln) for ln in metrics_path.read_text().splitlines()][-len(users):]
-    per_user = {r["user"]: {k: r[k] for k in ("valid_ppl", "test_ppl", "gates") if k in r}
-                for r in last if "test_ppl" in r}
+    per_user = {r["user"]: {k: v for k, v in r.items() if k.startswith(("valid_", "test_")) or k == "gates"}
+                for r in last if task_score(r)}
     return finish_run(out_dir, algorithm, users, per_user, total_up, train.rounds)
+
+
+TASK_METRICS = ("test_acc", "test_rouge_l", "test_ppl")  # classification, generation, language modelling
+
+
+def task_score(metrics: dict) -> tuple[str, float] | None:
+    """(key, value) of a client's task metric among its reported ``metrics``: accuracy (%) for
+    classification, Rouge-L (%) for generation, else test perplexity; None if it reported none."""
+    return next(((k, metrics[k]) for k in TASK_METRICS if k in metrics), None)
 
 
 def finish_run(out_dir: Path, algorithm: Algorithm, users: list[str], per_user: dict, bytes_up: int,
                rounds: int) -> dict:
-    """results.json; a user whose device could not report its final evaluation is listed under
-    ``missing`` and left out of the mean (it is never silently counted)."""
-    missing = [u for u in users if "test_ppl" not in per_user.get(u, {})]
-    tests = [per_user[u]["test_ppl"] for u in users if u not in missing]
-    if not tests:
-        raise RuntimeError("no user reported a final test perplexity")
-    result = {"method": algorithm.name, "rounds": rounds, "per_user": per_user,
-              "mean_test_ppl": sum(tests) / len(tests), "bytes_up_total": bytes_up,
+    """results.json with ``metric`` (the users' task metric: ``test_ppl``, ``test_acc``,
+    ``test_rouge_l``, or ``test_score`` when users' tasks differ), ``mean`` over users (FedAMoLE's
+    MTAL when it is the last round's accuracy or Rouge-L) and, for perplexity, ``mean_test_ppl``.
+    A user whose device could not report its final evaluation is listed under ``missing`` and
+    left out of the mean (it is never silently counted)."""
+    scores = {u: task_score(per_user.get(u, {})) for u in users}
+    missing = [u for u in users if scores[u] is None]
+    if len(missing) == len(users):
+        raise RuntimeError("no user reported a final test metric")
+    keys = {scores[u][0] for u in users if u not in missing}
+    metric = keys.pop() if len(keys) == 1 else "test_score"
+    values = [scores[u][1] for u in users if u not in missing]
+    if metric == "test_score":  # mixed tasks: each user's own metric (all higher-is-better)
+        for u in users:
+            if u not in missing:
+                per_user[u]["test_score"] = scores[u][1]
+    mean = sum(values) / len(values)
+    result = {"method": algorithm.name, "rounds": rounds, "per_user": per_user, "metric": metric, "mean": mean,
+              **({"mean_test_ppl": mean} if metric == "test_ppl" else {}), "bytes_up_total": bytes_up,
               "train": asdict(algorithm.train), **({"missing": missing} if missing else {})}
     atomic_write(out_dir / "results.json", lambda p: Path(p).write_text(json.dumps(result, indent=2)))
     return result

@@ -32,7 +32,7 @@ def split_nll(model, tokens: torch.Tensor, seq_len: int, batch_size: int = 8) ->
                 L = length or (n_pred - chunk[0])
                 x = torch.stack([tokens[s:s + L] for s in chunk]).long().to(device)
                 y = torch.stack([tokens[s + 1:s + 1 + L] for s in chunk]).long().to(device)
-                logits = model(input_ids=x).logits
+                logits = model(input_ids=x).logits[:, -x.shape[1]:]  # past any virtual tokens
                 total += F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1),
                                          reduction="sum").item()
     finally:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..runtime import to_cpu
+
 
 def rouge_l(prediction: str, reference: str) -> float:
     """Rouge-L F-measure (``rouge_score``'s, as the FedAMoLE and FedIT evaluations use)."""
@@ -59,3 +61,80 @@ def mean_rouge_l(model, tokenizer, prompts: list[str], references: list[str], ma
 def mta(per_client: dict[str, float]) -> float:
     """MTA[t] (eq. 30): the mean over clients of their metric at one round."""
     return sum(per_client.values()) / max(1, len(per_client))
+
+
+# -- over a client's split of tokenised examples (data.instructions.InstructionSplit) ---------------
+def _right_pad(seqs: list[list[int]], pad: int, device) -> torch.Tensor:
+    width = max(map(len, seqs))
+    return torch.tensor([s + [pad] * (width - len(s)) for s in seqs], device=device)
+
+
+@torch.inference_mode()
+def choice_losses(model, split, choices: tuple[str, ...], batch_size: int = 8) -> torch.Tensor:
+    """(examples, choices): mean token NLL of each label continuation (+ EOS, as trained) after
+    each example's prompt, ``batch_size`` examples (x choices rows) per forward. The model's
+    logits for prepended virtual tokens (prompt tuning) are dropped: the last positions are the
+    inputs' (the reference evaluator slices them off the same way)."""
+    tok = split.tokenizer
+    device = model.get_input_embeddings().weight.device
+    conts = [tok(c, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for c in choices]
+    out = []
+    for b in range(0, len(split), batch_size):
+        prompts = [split.prompt_ids(i).tolist() for i in range(b, min(b + batch_size, len(split)))]
+        seqs = [p + c for p in prompts for c in conts]
+        ids = _right_pad(seqs, split.pad_id, device)
+        labels = torch.full_like(ids, -100)
+        row = 0
+        for p in prompts:
+            for c in conts:
+                labels[row, len(p):len(p) + len(c)] = ids[row, len(p):len(p) + len(c)]
+                row += 1
+        logits = model(input_ids=ids).logits[:, -ids.shape[1]:]
+        nll = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), labels[:, 1:], reduction="none")
+        out.append((nll.sum(1) / (labels[:, 1:] != -100).sum(1)).reshape(len(prompts), len(conts)))
+    return to_cpu(torch.cat(out))
+
+
+def split_accuracy(model, split, choices: tuple[str, ...], batch_size: int = 8) -> float:
+    """Accuracy (%) of the lowest-loss label (FedAMoLE Sec. V-A-2, the reference evaluator's argmin)."""
+    pred = choice_losses(model, split, choices, batch_size).argmin(1).tolist()
+    return 100.0 * sum(choices[p] == ex.output for p, ex in zip(pred, split.examples)) / max(1, len(split))
+
+
+@torch.inference_mode()
+def generate_split(model, split, max_new_tokens: int = 128, batch_size: int = 8) -> list[str]:
+    """Greedy continuations of every example's prompt (at most ``max_new_tokens``, stopping at
+    EOS), ``batch_size`` prompts at a time, left-padded with an attention mask."""
+    tok = split.tokenizer
+    device = model.get_input_embeddings().weight.device
+    texts = []
+    for b in range(0, len(split), batch_size):
+        prompts = [split.prompt_ids(i).tolist() for i in range(b, min(b + batch_size, len(split)))]
+        width = max(map(len, prompts))
+        ids = torch.tensor([[split.pad_id] * (width - len(p)) + p for p in prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=tok.eos_token_id, pad_token_id=split.pad_id)
+        texts += [tok.decode(row[width:], skip_special_tokens=True).strip() for row in out]
+    return texts
+
+
+def split_rouge_l(model, split, max_new_tokens: int = 128, batch_size: int = 8) -> float:
+    """Mean Rouge-L F (%) of greedy generations against the references."""
+    gens = generate_split(model, split, max_new_tokens, batch_size)
+    return 100.0 * sum(rouge_l(g, ex.output) for g, ex in zip(gens, split.examples)) / max(1, len(split))
+
+
+@torch.inference_mode()
+def split_response_nll(model, split, batch_size: int = 8) -> tuple[float, int]:
+    """(sum of NLLs, number of target tokens) of the responses only, over every example."""
+    device = model.get_input_embeddings().weight.device
+    total, count = 0.0, 0
+    for b in range(0, len(split), batch_size):
+        idx = range(b, min(b + batch_size, len(split)))
+        ids = _right_pad([split.ids[i].tolist() for i in idx], split.pad_id, device)
+        labels = _right_pad([split.labels[i].tolist() for i in idx], -100, device)
+        logits = model(input_ids=ids).logits[:, -ids.shape[1]:]
+        total += F.cross_entropy(logits[:, :-1].float().transpose(1, 2), labels[:, 1:], reduction="sum").item()
+        count += int((labels[:, 1:] != -100).sum())
+    return total, count

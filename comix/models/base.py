@@ -136,4 +136,20 @@ def load_base_model(spec: str, dtype=torch.float32, seed: int = 0, dropout: floa
     else:
         model, tok = from_pretrained(spec, dtype)
     set_dropout(model, dropout)
+    model.config.comix_tokenizer = _tokenizer_dir(spec, tok)  # where PEFT's TEXT init finds the tokenizer
     return model, tok
+
+
+def _tokenizer_dir(spec: str, tok) -> str:
+    if spec == "smollm2-135m":
+        return str(cache_dir() / "smollm2-135m")
+    if spec in TINY:  # the in-memory byte tokenizer, saved once
+        path = cache_dir() / "byte-tokenizer"
+        cache_dir().mkdir(parents=True, exist_ok=True)
+        if not (path / "tokenizer.json").exists():
+            tmp = Path(tempfile.mkdtemp(dir=cache_dir(), prefix=".byte-tokenizer-"))
+            tok.save_pretrained(tmp)
+            shutil.rmtree(path, ignore_errors=True)
+            os.replace(tmp, path)
+        return str(path)
+    return spec

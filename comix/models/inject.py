@@ -13,6 +13,7 @@ read from parameter names alone, so they survive state dicts and the wire:
                                  its router; ``*.expert_A|B`` its expert slots (in the model);
   ``*.experts.<id>.lora_*``      FedAMoLE's domain expert <id> of an attention module (in states,
                                  uploads and payloads); ``rsea.*`` RSEA's embedding uploads
+  ``prompt_encoder.*``           a soft prompt (PEFT prompt tuning / P-tuning)
 """
 from __future__ import annotations
 
@@ -27,6 +28,22 @@ from .lora import LoRAConfig, LoRALinear
 from .mixture import MixtureOfLoRA, MixtureOfLoRAMLP, detect_mlp_layout
 
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "c_attn", "c_proj")
+
+
+@dataclass
+class PromptConfig:
+    """Soft prompts through PEFT (FedAMoLE's FedPrompt / FedPTuning baselines, reference
+    model/common.py): ``tuning`` = PEFT's PromptTuningConfig, initialised from ``init_text``
+    (TEXT init) with as many virtual tokens as that text has (``virtual_tokens`` = 0); ``ptuning``
+    = PromptEncoderConfig, ``virtual_tokens`` 20 through an MLP encoder of ``encoder_hidden`` 1024."""
+    kind: str = "tuning"               # tuning | ptuning
+    init_text: str = ""
+    virtual_tokens: int = 0            # 0: the init text's token count (tuning) / 20 (ptuning)
+    encoder_hidden: int = 1024
+
+    def __post_init__(self):
+        if self.kind not in ("tuning", "ptuning"):
+            raise ValueError(f"prompt kind must be tuning or ptuning, got {self.kind!r}")
 
 
 @dataclass
@@ -47,6 +64,7 @@ class AdapterConfig:
     mlp_lora: LoRAConfig | None = None
     amole: AMoLEConfig | None = None  # AMoLE modules on these attention linears (FedAMoLE)
     attention_targets: tuple[str, ...] = ()  # attention linears with LoRA (default: all of them)
+    prompt: PromptConfig | None = None  # soft prompt (PEFT prompt learning) instead of weight adapters
 
     def __post_init__(self):
         if self.mlp not in ("mixture", "lora", "none"):
@@ -97,6 +115,32 @@ def inject_adapters(model: nn.Module, cfg: AdapterConfig, n_experts: int | None 
             for name in detect_mlp_layout(block.mlp).projections:
                 setattr(block.mlp, name, LoRALinear(getattr(block.mlp, name), cfg.mlp_lora or cfg.lora,
                                                     cfg.personal))
+    if cfg.prompt is not None:
+        model = add_soft_prompt(model, cfg.prompt)
+    return model
+
+
+def add_soft_prompt(model: nn.Module, cfg: PromptConfig) -> nn.Module:
+    """``model`` wrapped by PEFT's prompt learning (its forward prepends the virtual tokens; its
+    logits cover them too, which lm_loss and the evaluators drop). The tokenizer for the TEXT
+    init is the base model's (``config.comix_tokenizer``, set by load_base_model)."""
+    from peft import PromptEncoderConfig, PromptTuningConfig, PromptTuningInit, TaskType, get_peft_model
+    from transformers import AutoTokenizer
+
+    if cfg.kind == "tuning":
+        tok_path = getattr(model.config, "comix_tokenizer", None) or model.config._name_or_path
+        n = cfg.virtual_tokens or len(AutoTokenizer.from_pretrained(tok_path)(cfg.init_text)["input_ids"])
+        peft_cfg = PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=n,
+                                      prompt_tuning_init=PromptTuningInit.TEXT, prompt_tuning_init_text=cfg.init_text,
+                                      tokenizer_name_or_path=tok_path)
+    else:
+        peft_cfg = PromptEncoderConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=cfg.virtual_tokens or 20,
+                                       encoder_reparameterization_type="MLP", encoder_hidden_size=cfg.encoder_hidden)
+    model = get_peft_model(model, peft_cfg)
+    for module in model.prompt_encoder.modules():  # fp32 master weights whatever the base's dtype
+        module.float()
+    encoder = model.prompt_encoder["default"]
+    encoder.comix_init = {n: p.detach().clone() for n, p in encoder.named_parameters()}  # fresh_adapters restores it
     return model
 
 
@@ -110,9 +154,11 @@ _DOMAIN_EXPERT = re.compile(r"\.experts\.(\d+)\.lora_[AB]$")
 
 def param_role(name: str) -> str:
     """generalist | specialist | router | mlp_lora | attention_lora | personal_lora | fusion |
-    amole_shared | amole_router | amole_slots | domain_expert | embedding | base."""
+    amole_shared | amole_router | amole_slots | domain_expert | embedding | prompt | base."""
     if name.startswith("rsea."):
         return "embedding"
+    if name.startswith("prompt_encoder."):
+        return "prompt"
     if name.endswith((".expert_A", ".expert_B")):
         return "amole_slots"
     if name.endswith(".token_proj") or ".vanilla_router." in name:

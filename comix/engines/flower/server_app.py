@@ -142,7 +142,7 @@ def main(grid: Grid, context: Context) -> None:
     out = Path(str(rc["run-dir"])) / spec_dirname(spec)
 
     def progress(p):
-        log.info("round %d/%d train loss %.4f test ppl %s (%.1f s)", p["round"], p["rounds"], p["train_loss"],
-                 p["test_ppl"], p["seconds"])
+        log.info("round %d/%d train loss %.4f %s %s (%.1f s)", p["round"], p["rounds"], p["train_loss"],
+                 p["metric"], p["scores"], p["seconds"])
     result = serve(algo, transport, users, out, seed=seed, resume=True, progress=progress)
-    log.info("done: mean test ppl %.4f -> %s", result["mean_test_ppl"], out / "results.json")
+    log.info("done: mean %s %.4f -> %s", result["metric"], result["mean"], out / "results.json")

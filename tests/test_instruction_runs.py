@@ -1,0 +1,182 @@
+"""Instruction tasks end to end (issue D): built-in sets, partitions saved with the run, task
+metrics in the engines and reports, post-aggregation fine-tuning, soft prompts."""
+import json
+import lzma
+from pathlib import Path
+
+import pytest
+import torch
+
+from comix.algorithms import make_algorithm
+from comix.algorithms.base import ClientContext, ClientState, TrainConfig
+from comix.data import SplitConfig, describe_partition, load_corpus, make_user_data
+from comix.data.instructions import BUILTIN_DIR, RELATIONS, instruction_file
+from comix.eval.tasks import choice_accuracy, choice_losses, continuation_losses, generate_split, split_accuracy
+from comix.models import LoRAConfig, inject_adapters, load_base_model
+
+
+def test_builtin_sets_hold_ten_generation_tasks_and_a_three_label_classification():
+    gen = load_corpus("instructions")
+    tasks = {}
+    for ex in gen.examples:
+        tasks[ex.category] = tasks.get(ex.category, 0) + 1
+        assert ex.instruction and ex.output
+    assert gen.task == "generation" and len(tasks) >= 10 and min(tasks.values()) >= 100, tasks
+    rel = load_corpus("relations")
+    labels = {ex.output for ex in rel.examples}
+    assert rel.task == "classification" and labels == set(RELATIONS) == set(rel.choices)
+    assert all(ex.category == ex.output for ex in rel.examples)  # label skew partitions by the label
+    size = sum(f.stat().st_size for f in BUILTIN_DIR.glob("*.jsonl.xz") if f.stem.split(".")[0] in
+               ("instructions", "relations"))
+    assert size < 15e6
+    rows = [json.loads(ln) for ln in lzma.open(BUILTIN_DIR / "instructions.jsonl.xz", "rt")]
+    assert all(r["source"] for r in rows)  # provenance of every example
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_base_model("tiny-llama")[1]
+
+
+def test_task_partition_splits_each_client_80_10_10_with_the_caps_and_is_reproducible(tok):
+    iset = load_corpus("instructions")
+    cfg = SplitConfig(partition="task", clients=3, test_examples=7, seed=3)
+    users = make_user_data(iset, tok, cfg)
+    assert len(users) == 3 and all(u.task == "generation" for u in users)
+    for u in users:
+        n = sum(ex.category == u.name for ex in iset.examples)
+        assert len(u.test) == 7 and len(u.valid) == min(200, round(0.1 * n))
+        assert len(u.train) == n - round(0.1 * n) - round(0.1 * n)
+        texts = [{(e.instruction, e.input, e.output) for e in u.tokens(s).examples} for s in ("train", "valid", "test")]
+        assert not (texts[0] & texts[1] or texts[0] & texts[2] or texts[1] & texts[2])
+        assert {e.category for s in ("train", "valid", "test") for e in u.tokens(s).examples} == {u.name}
+    again = make_user_data(iset, tok, cfg)
+    assert describe_partition(again) == describe_partition(users)
+    other = make_user_data(iset, tok, SplitConfig(partition="task", clients=3, test_examples=7, seed=4))
+    assert describe_partition(other) != describe_partition(users)
+
+
+def test_dirichlet_partition_of_the_classification_set_skews_labels(tok):
+    users = make_user_data(load_corpus("relations"), tok, SplitConfig(partition="dirichlet", clients=4, alpha=0.1,
+                                                                    seed=0))
+    shares = [max(row["train"]["categories"].values()) / row["train"]["size"]
+              for row in describe_partition(users).values()]
+    assert all(u.task == "classification" and u.choices == RELATIONS for u in users)
+    assert sum(shares) / len(shares) > 0.7  # alpha 0.1: most of a client's examples share one label
+
+
+def test_bad_instruction_inputs_fail_with_one_line_naming_them(tmp_path, tok):
+    bad = tmp_path / "mine.jsonl"
+    bad.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "c"}\n')
+    with pytest.raises(ValueError, match=r"mine.jsonl:2: field 'output'"):
+        instruction_file(bad)
+    bad.write_text('{"choices": ["Yes", "No"]}\n{"instruction": "a", "output": "Perhaps"}\n')
+    with pytest.raises(ValueError, match="not one of the choices"):
+        instruction_file(bad)
+    with pytest.raises(ValueError, match="unknown task.*no-such-task"):
+        make_user_data(load_corpus("instructions"), tok, SplitConfig(users=["no-such-task"]))
+    with pytest.raises(ValueError, match="unknown corpus 'nope'"):
+        load_corpus("nope")
+
+
+def _split(tok, examples):
+    from comix.data.instructions import tokenize_examples
+    return tokenize_examples(examples, tok)
+
+
+def test_split_accuracy_scores_labels_as_the_prompt_text_reference(tok):
+    model, _ = load_base_model("tiny-llama")
+    exs = [e for e in load_corpus("relations").examples[::500]][:6]
+    split = _split(tok, exs)
+    losses = choice_losses(model, split, RELATIONS, batch_size=4)  # 2 forwards: 4 + 2 examples x 3 labels
+    for i, ex in enumerate(exs):
+        ref = continuation_losses(model, tok, ex.prompt(), list(RELATIONS))
+        torch.testing.assert_close(losses[i], ref, rtol=1e-5, atol=1e-5)
+    expected = 100 * choice_accuracy(model, tok, [e.prompt() for e in exs], list(RELATIONS), [e.output for e in exs])
+    assert split_accuracy(model, split, RELATIONS) == pytest.approx(expected)
+
+
+def test_batched_left_padded_generation_equals_one_prompt_at_a_time(tok):
+    model, _ = load_base_model("tiny-llama")
+    exs = load_corpus("instructions").examples[::900][:5]  # prompts of different lengths
+    split = _split(tok, exs)
+    batched = generate_split(model, split, max_new_tokens=6, batch_size=5)
+    single = [generate_split(model, split.subset(i, i + 1), max_new_tokens=6, batch_size=1)[0] for i in range(5)]
+    assert batched == single
+
+
+def _ctx_state(method, tok, **options):
+    model, _ = load_base_model("tiny-llama")
+    users = make_user_data(load_corpus("instructions"), tok, SplitConfig(clients=2, test_examples=2))
+    algo = make_algorithm(method, LoRAConfig(), TrainConfig(batch_size=2, local_steps=2, rounds=2), 2, **options)
+    m = inject_adapters(model, algo.adapter_config(0))
+    from comix.engines.device import fresh_adapters
+    state = ClientState(adapters=algo.adapters_of(fresh_adapters(m, 1)))
+    return algo, ClientContext(0, m, users[0], algo.train), state
+
+
+@pytest.mark.parametrize("method", ["fedit", "fedit-ft"])
+def test_ft_variant_is_evaluated_on_its_locally_fine_tuned_model(tok, method):
+    algo, ctx, state = _ctx_state(method, tok)
+    payload = algo.upload_of(state.adapters)
+    state, upload, _ = algo.client_round(ctx, state, payload)
+    aggregate = {n: t + 1.0 for n, t in upload.items()}  # the server's next payload
+    personal = algo.personal_adapters(ctx, state, aggregate)
+    final = algo.client_finish(ctx, ClientState(adapters=dict(state.adapters)), aggregate).adapters
+    for n in upload:
+        want = state.adapters[n] if method == "fedit-ft" else aggregate[n]
+        assert torch.equal(personal[n], want) and torch.equal(final[n], want)
+
+
+@pytest.mark.parametrize("method", ["fedprompt", "fedptuning"])
+def test_soft_prompts_train_only_the_prompt_and_start_from_the_text(tok, method):
+    algo, ctx, state = _ctx_state(method, tok)
+    trainable = [n for n, p in ctx.model.named_parameters() if p.requires_grad]
+    assert trainable and all(n.startswith("prompt_encoder.") for n in trainable)
+    if method == "fedprompt":  # TEXT init: the word embeddings of the soft prompt's tokens
+        ids = tok(algo.prompt.init_text)["input_ids"]
+        emb = ctx.model.get_input_embeddings().weight[torch.tensor(ids)]
+        torch.testing.assert_close(state.adapters["prompt_encoder.default.embedding.weight"], emb.float())
+    else:
+        assert state.adapters["prompt_encoder.default.embedding.weight"].shape[0] == 20
+    base = {n: p.clone() for n, p in ctx.model.named_parameters() if not p.requires_grad}
+    before = dict(state.adapters)
+    state, upload, metrics = algo.client_round(ctx, state, algo.upload_of(state.adapters))
+    assert set(upload) == set(before) and any(not torch.equal(upload[n], before[n]) for n in upload)
+    assert all(torch.equal(p, base[n]) for n, p in ctx.model.named_parameters() if not p.requires_grad)
+    assert metrics["train_loss"] > 0
+
+
+def test_fedamole_embedding_set_is_held_out_of_training_examples(tok):
+    algo, ctx, state = _ctx_state("fedamole", tok, pool=4, slots=4)
+    train, aux = algo.split(ctx.data.train)
+    assert len(aux) == int(0.05 * len(ctx.data.train)) and len(train) + len(aux) == len(ctx.data.train)
+    trained = {tuple(t[:-1].tolist()) for t in train.ids}
+    held = {tuple(t[:-1].tolist()) for t in aux.ids} - trained
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):  # every training batch comes from the training part only
+        x, y = algo.train_batch(ctx, gen)
+        for row, target in zip(x, y):
+            n = int((target != -100).nonzero().max()) + 1  # the example's length (padding after it)
+            assert tuple(row[:n].tolist()) in trained and tuple(row[:n].tolist()) not in held
+    inputs = algo.embedding_inputs(aux)  # whole held-out examples, one per forward: no padding
+    assert [tuple(x[0].tolist()) for x in inputs] == [tuple(t.tolist()) for t in aux.ids[:algo.embed_windows]]
+
+
+def test_a_run_on_an_instruction_set_reports_its_task_metric_and_saves_the_partition(tmp_path):
+    from comix.cli import main
+    rc = main(["compare", "model=tiny-llama", "corpus=relations", "data.partition=dirichlet", "data.clients=3",
+               "data.test_examples=5", "data.valid_examples=3", "train.rounds=2", "train.local_steps=1",
+               "train.batch_size=2", "train.eval_every=1", f"run_dir={tmp_path}", "--methods", "fedit", "fedit-ft", "--seeds", "1", "2"])
+    assert rc == 0
+    res = json.loads((tmp_path / "seed1" / "fedit" / "results.json").read_text())
+    assert res["metric"] == "test_acc" and "mean_test_ppl" not in res
+    accs = [u["test_acc"] for u in res["per_user"].values()]
+    assert res["mean"] == pytest.approx(sum(accs) / 3) and all(a in (0, 20, 40, 60, 80, 100) for a in accs)
+    rows = [json.loads(ln) for ln in (tmp_path / "seed1" / "fedit" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows if "test_acc" in r] == [1, 1, 1, 2, 2, 2]  # MTA[t] every round
+    md = (tmp_path / "compare.md").read_text()
+    assert "Test accuracy (%)" in md and "MTAL" in md and "fedit-ft" in md
+    part = json.loads((tmp_path / "partition.json").read_text())
+    assert set(part) == {"client0", "client1", "client2"} and part["client0"]["test"]["size"] == 5
+    assert (tmp_path / "curves.png").exists()
