@@ -99,6 +99,8 @@ def plot_curves(data: dict, path: Path, per_user: bool, refs: dict | None = None
     from .engines.device import atomic_write
 
     users = sorted({u for by_user in data.values() for u in by_user})
+    if not users:  # only untrained methods (Pretrained): no curve to draw
+        return
     panels = users if per_user else ["mean over users"]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False)
     for ax, panel in zip(axes[0], panels):

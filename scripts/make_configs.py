@@ -1,4 +1,5 @@
-"""Write configs/{paper,small}/*.yaml: one recipe per comparison of the CoMiGS paper.
+"""Write configs/{paper,small}/*.yaml (one recipe per comparison of the CoMiGS paper) and
+configs/fedamole/{paper,cpu}-*.yaml (FedAMoLE's Tables I-III).
 
     python scripts/make_configs.py      # regenerates the files; edit here, not there
 
@@ -66,6 +67,63 @@ SKEW_METHODS = [*[f"comigs-1gxs:experts=[{n},{n},{n},{n}]" for n in (1, 2, 4, 8)
                 "comigs-1gxs:experts=[2,8,8,2]", "comigs-1gxs:experts=[8,2,2,8]", "local", "fedavg"]
 
 
+# -- FedAMoLE (journal Sec. V): Tables I-III on instruction data ------------------------------------
+FEDAMOLE_TABLE1 = ["fedit", "fedit-ft", "fedprompt", "fedprompt-ft", "fedptuning", "fedptuning-ft", "fdlora",
+                   "fedamole"]
+FEDAMOLE_TABLE3 = ["fedamole", "fedamole-r", "fedmole", "fedamole-a", "fedamole-s", "fedamole-h"]
+FEDAMOLE_SCALES = {
+    # Sec. V-A-3/4: 10 clients, 30 rounds x 200 steps, batch 1, Adam 5e-5 decayed x0.99 per round,
+    # bf16 backbone, Rouge-L on <= 128 greedy tokens, the paper's caps; a GPU job
+    "paper": dict(precision="bf16", train=dict(rounds=30, local_steps=200, batch_size=1, lr=5e-5, schedule="round_decay",
+                                               lr_decay=0.99, weight_decay=0.0, betas=[0.9, 0.999], eval_every=1,
+                                               eval_splits=["valid", "test"], max_new_tokens=128),
+                  data=dict(max_len=1024)),
+    # 2 CPU cores: 4 rounds x 8 steps of batch 4, lr 1e-3 (5e-5 barely moves the adapters in 32
+    # steps), 5 test examples per client, answers cut at 32 tokens
+    "cpu": dict(train=dict(rounds=4, local_steps=8, batch_size=4, lr=1e-3, schedule="round_decay", lr_decay=0.99,
+                           weight_decay=0.0, betas=[0.9, 0.999], eval_every=2, eval_splits=["test"],
+                           max_new_tokens=32),
+                data=dict(max_len=256, valid_examples=20, test_examples=5)),
+}
+FEDAMOLE_SETTINGS = {  # name -> (corpus, data, what it stands for)
+    "instructions-task": ("instructions", dict(partition="task", clients=10), "one task per client (NI's role)"),
+    **{f"instructions-dir{a}": ("instructions", dict(partition="dirichlet", clients=10, alpha=a),
+                                f"Dirichlet({a}) over the 12 task labels (Dolly-15K's role)") for a in (0.1, 1.0, 100.0)},
+    **{f"relations-dir{a}": ("relations", dict(partition="dirichlet", clients=10, alpha=a),
+                             f"Dirichlet({a}) over 3 relation labels (SNLI's role)") for a in (0.1, 1.0, 100.0)},
+    # the papers' own data (online; datasets): paper scale only
+    "ni": ("natural_instructions", dict(partition="task", clients=10), "Natural Instructions v2.8, 10 largest tasks"),
+    **{f"dolly-dir{a}": ("dolly", dict(partition="dirichlet", clients=10, alpha=a), f"Dolly-15K, Dirichlet({a})")
+       for a in (0.1, 1.0, 100.0)},
+    **{f"snli-dir{a}": ("snli", dict(partition="dirichlet", clients=10, alpha=a), f"SNLI, Dirichlet({a})")
+       for a in (0.1, 1.0, 100.0)},
+}
+RELATIONS_PROMPT = ("Based on the two words, decide how they are related. Answer 'Synonym' if they mean the same, "
+                    "'Antonym' if they are opposites, or 'Unrelated' otherwise.")
+
+
+def fedamole_configs() -> None:
+    from comix.data.instructions import SOFT_PROMPT_SNLI
+    for scale, base in FEDAMOLE_SCALES.items():
+        for setting, (corpus, data, what) in FEDAMOLE_SETTINGS.items():
+            if scale == "cpu" and corpus not in ("instructions", "relations"):
+                continue
+            for table, methods in (("table1", FEDAMOLE_TABLE1), ("table3", FEDAMOLE_TABLE3)):
+                cfg = dict(model="meta-llama/Llama-3.2-1B" if scale == "paper" and corpus not in
+                           ("instructions", "relations") else "smollm2-135m", corpus=corpus, methods=methods,
+                           seeds=[42, 62, 82], **({"precision": base["precision"]} if "precision" in base else {}),
+                           data={**data, **base["data"]}, train=base["train"])
+                init = {"snli": SOFT_PROMPT_SNLI, "relations": RELATIONS_PROMPT}.get(corpus)
+                if init and table == "table1":
+                    cfg["fedprompt"] = {"init_text": init}
+                write(ROOT / "fedamole" / f"{scale}-{table}-{setting}.yaml",
+                      f"FedAMoLE {'Table I/II' if table == 'table1' else 'Table III (ablations)'}, {what}; "
+                      f"scale {scale} (scripts/make_configs.py)\n"
+                      + ("Sec. V-A-3/4 settings; a GPU job." if scale == "paper" else
+                         "2 CPU cores: see FEDAMOLE_SCALES in scripts/make_configs.py for what is scaled down."),
+                      cfg)
+
+
 def write(path: Path, comment: str, cfg: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     body = yaml.safe_dump(cfg, sort_keys=False, default_flow_style=None, width=110)
@@ -87,6 +145,7 @@ def main() -> None:
         write(ROOT / scale / "quantity-skew.yaml",
               f"Sec. 4.4 / App. D quantity skew: de, nl low data; fr, it 4x more; n_i homogeneous or correlated\n"
               f"{scale} scale. Run: comix compare configs/{scale}/quantity-skew.yaml (see curves_per_user.png)", cfg)
+    fedamole_configs()
 
 
 if __name__ == "__main__":

@@ -2,7 +2,6 @@
 metrics in the engines and reports, post-aggregation fine-tuning, soft prompts."""
 import json
 import lzma
-from pathlib import Path
 
 import pytest
 import torch
@@ -180,3 +179,14 @@ def test_a_run_on_an_instruction_set_reports_its_task_metric_and_saves_the_parti
     part = json.loads((tmp_path / "partition.json").read_text())
     assert set(part) == {"client0", "client1", "client2"} and part["client0"]["test"]["size"] == 5
     assert (tmp_path / "curves.png").exists()
+
+
+def test_evaluation_runs_without_dropout_and_restores_the_mode(tok):
+    from comix.engines.device import evaluate
+    model, _ = load_base_model("tiny-gpt2", dropout=0.3)
+    users = make_user_data(load_corpus("relations"), tok, SplitConfig(partition="dirichlet", clients=2,
+                                                                    test_examples=6, valid_examples=4, max_len=250))
+    train = TrainConfig(eval_splits=["valid", "test"], eval_batch_size=4)
+    model.train()
+    first, second = evaluate(model, users[0], train), evaluate(model, users[0], train)
+    assert first == second and set(first) == {"valid_ppl", "test_ppl", "test_acc"} and model.training

@@ -150,21 +150,22 @@ def evaluate(model: nn.Module, user: UserData, train, runtime: Runtime = Runtime
     mean gate per layer and expert on one validation batch."""
     seq_len, batch_size = train.seq_len, train.eval_batch_size
     out = {}
-    with runtime.autocast():
-        for s in train.eval_splits:
-            if user.task == "lm":
-                out[f"{s}_ppl"] = perplexity(model, user.tokens(s), seq_len, batch_size)
-            else:
-                total, n = split_response_nll(model, user.tokens(s), batch_size)
-                out[f"{s}_ppl"] = math.exp(total / max(1, n))
-        if "test" in train.eval_splits and user.task != "lm":
-            was_training = model.training
-            model.eval()
-            if user.task == "classification":
+    was_training = model.training
+    model.eval()  # no dropout in any evaluation
+    try:
+        with runtime.autocast():
+            for s in train.eval_splits:
+                if user.task == "lm":
+                    out[f"{s}_ppl"] = perplexity(model, user.tokens(s), seq_len, batch_size)
+                else:
+                    total, n = split_response_nll(model, user.tokens(s), batch_size)
+                    out[f"{s}_ppl"] = math.exp(total / max(1, n))
+            if "test" in train.eval_splits and user.task == "classification":
                 out["test_acc"] = split_accuracy(model, user.test, user.choices, batch_size)
-            else:
+            elif "test" in train.eval_splits and user.task == "generation":
                 out["test_rouge_l"] = split_rouge_l(model, user.test, train.max_new_tokens, batch_size)
-            model.train(was_training)
+    finally:
+        model.train(was_training)
     if mixtures(model):  # mean gate per layer and expert on one validation batch
         set_record_stats(model, True)
         if user.task == "lm":
