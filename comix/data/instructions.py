@@ -23,9 +23,8 @@ from pathlib import Path
 
 import torch
 
+from .corpora import BUILTIN_DIR
 from .splits import dirichlet_mixtures
-
-BUILTIN_DIR = Path(__file__).parent / "builtin"
 
 ALPACA_INPUT = ("Below is an instruction that describes a task, paired with an input that provides further context. "
                 "Write a response that appropriately completes the request.\n\n"

@@ -5,16 +5,23 @@ the last round (eq. 29-30).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from ..runtime import to_cpu
 
 
+@functools.cache
+def _scorer():
+    from rouge_score import rouge_scorer
+    return rouge_scorer.RougeScorer(["rougeL"])
+
+
 def rouge_l(prediction: str, reference: str) -> float:
     """Rouge-L F-measure (``rouge_score``'s, as the FedAMoLE and FedIT evaluations use)."""
-    from rouge_score import rouge_scorer
-    return rouge_scorer.RougeScorer(["rougeL"]).score(reference, prediction)["rougeL"].fmeasure
+    return _scorer().score(reference, prediction)["rougeL"].fmeasure
 
 
 @torch.inference_mode()
@@ -42,20 +49,6 @@ def choice_accuracy(model, tokenizer, prompts: list[str], choices: list[str], go
         losses = continuation_losses(model, tokenizer, prompt, choices)
         hits += choices[int(losses.argmin())] == gold
     return hits / max(1, len(prompts))
-
-
-@torch.inference_mode()
-def greedy_generate(model, tokenizer, prompt: str, max_new_tokens: int = 128) -> str:
-    device = model.get_input_embeddings().weight.device
-    ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"].to(device)
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         do_sample=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
-
-
-def mean_rouge_l(model, tokenizer, prompts: list[str], references: list[str], max_new_tokens: int = 128) -> float:
-    scores = [rouge_l(greedy_generate(model, tokenizer, p, max_new_tokens), r) for p, r in zip(prompts, references)]
-    return sum(scores) / max(1, len(scores))
 
 
 def mta(per_client: dict[str, float]) -> float:
