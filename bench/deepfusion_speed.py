@@ -32,7 +32,7 @@ from comix.models.upcycle import moe_config  # noqa: E402
 from comix.models.vaa import ViewAlignedAttention  # noqa: E402
 from comix.runtime import resolve  # noqa: E402
 
-DEVICES = ["base", "prune:15:1024", "prune:10:768", "random-gpt2:6:384"]  # configs/deepfusion/paper-*
+DEVICES = ["base", "prune:24:1536", "prune:30:1024", "prune:20:1536", "random-gpt2:6:384"]  # configs/deepfusion/paper-*
 
 
 def kd_step(student, teacher, vaa, runtime, batch, seq):
@@ -69,7 +69,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {runtime.device}, {runtime.precision}")
     base = load_base_model("smollm2-135m")[0]
     # (a)
-    teacher = build_device_model("prune:10:768", base).to(runtime.device).eval().requires_grad_(False)
+    teacher = build_device_model("prune:20:1536", base).to(runtime.device).eval().requires_grad_(False)
     steps = {}
     for key in ("logits", "vaa"):
         student = build_device_model("base", base).to(runtime.device).train()

@@ -10,14 +10,16 @@ and the medians are compared. The whole measurement runs twice and both runs' ra
 printed with their largest disagreement (the ratios are trustworthy when that is below 5 %).
 
 (a) one MLP block, SmolLM2-sized (d=576, d_ff=1536, gated) and GPT-2-sized (768, 3072, GELU):
-    mixture (top-2, n = 2, 4, 8) / one LoRA, fused and naive;
+    mixture (top-2, n = 2, 4, 8) / one LoRA: compiled (the fused form with its d_ff-sized slot
+    work through torch.compile, ``compile=true``), fused (eager) and naive;
 (b) a whole SmolLM2-135M training step (forward, backward, AdamW) with the mixture on every MLP
-    (n = 2 and 8, top-2) / the same step with plain LoRA, and the same ratios on GPT-2-124M
+    (n = 2, 4, 8, top-2; compiled and eager fused) / the same step with plain LoRA, and the same ratios on GPT-2-124M
     shapes (random weights; GPT-2 itself is not available offline).
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
 
@@ -28,7 +30,7 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 from comix.models import AdapterConfig, LoRAConfig, LoRALinear, MixtureOfLoRAMLP, inject_adapters, load_base_model
-from comix.models.mixture import detect_mlp_layout
+from comix.models.mixture import detect_mlp_layout, set_compiled
 from comix.runtime import Runtime, resolve
 
 
@@ -86,29 +88,35 @@ def block_steps(runtime: Runtime, batch: int, seq: int) -> dict:
             return runtime.prepare_base(make())
         steps[(label, "lora")] = train_step(plain_lora_mlp(frozen(), 8).to(runtime.device), x, runtime)
         for n in (2, 4, 8):
-            for fused in (True, False):
-                layer = MixtureOfLoRAMLP(frozen(), d, n, 2, LoRAConfig(r=8), fused=fused)
-                steps[(label, f"n={n} {'fused' if fused else 'naive'}")] = train_step(prep(layer), x, runtime)
+            for kind in ("compiled", "fused", "naive"):
+                layer = MixtureOfLoRAMLP(frozen(), d, n, 2, LoRAConfig(r=8), fused=kind != "naive")
+                set_compiled(layer, kind == "compiled")
+                steps[(label, f"n={n} {kind}")] = train_step(prep(layer), x, runtime)
     return steps
 
 
-def model_steps(runtime: Runtime, batch: int, seq: int) -> dict:
-    def smollm2():
-        return load_base_model("smollm2-135m")[0]
+MODELS = ("SmolLM2-135M step", "GPT-2-124M step")
 
-    def gpt2():
-        torch.manual_seed(0)
-        return AutoModelForCausalLM.from_config(GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
 
+def model_steps(label: str, runtime: Runtime, batch: int, seq: int) -> dict:
+    """One whole model's configurations; they share its frozen weights (as ClientModels does)."""
+    if "Smol" in label:
+        base, vocab = load_base_model("smollm2-135m")[0], 49152
+    else:
+        torch.manual_seed(0)  # GPT-2 itself is not available offline: its shapes, random weights
+        base = AutoModelForCausalLM.from_config(GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+        vocab = 50257
+    base = runtime.prepare_base(base)
+    frozen = {id(t): t for t in (*base.parameters(), *base.buffers())}
+    ids = lambda: torch.randint(0, vocab, (batch, seq), device=runtime.device)  # noqa: E731
+    ce = lambda out: out.logits.float().mean()  # noqa: E731  (the loss's value does not matter here)
     steps = {}
-    for label, make in (("SmolLM2-135M step", smollm2), ("GPT-2-124M step", gpt2)):
-        vocab = 49152 if "Smol" in label else 50257
-        ids = lambda v=vocab: torch.randint(0, v, (batch, seq), device=runtime.device)  # noqa: E731
-        ce = lambda out: out.logits.float().mean()  # noqa: E731  (the loss's value does not matter here)
-        for key, adapter in (("lora", AdapterConfig(mlp="lora")),
-                             *((f"n={n} fused", AdapterConfig(n_experts=n, top_k=2)) for n in (2, 4, 8))):
-            model = inject_adapters(runtime.prepare_base(make()), adapter).to(runtime.device).train()
-            steps[(label, key)] = train_step(model, ids, runtime, loss=ce)
+    for key, adapter in (("lora", AdapterConfig(mlp="lora")),
+                         *((f"n={n} {kind}", AdapterConfig(n_experts=n, top_k=2))
+                           for n in (2, 4, 8) for kind in ("compiled", "fused"))):
+        model = inject_adapters(copy.deepcopy(base, memo=dict(frozen)), adapter).to(runtime.device).train()
+        set_compiled(model, key.endswith("compiled"))
+        steps[(label, key)] = train_step(model, ids, runtime, loss=ce)
     return steps
 
 
@@ -141,10 +149,11 @@ def main():
           f"batch {args.batch}x{args.seq}")
     steps = block_steps(runtime, args.batch, args.seq)
     runs = [interleaved(steps, args.reps or (4 if args.quick else 10), runtime) for _ in range(2)]
-    if not args.quick:
-        models = model_steps(runtime, args.batch, args.seq)
+    for label in () if args.quick else MODELS:  # one model at a time: its configurations in memory together
+        models = model_steps(label, runtime, args.batch, args.seq)
         for run in runs:
             run.update(interleaved(models, args.reps or 4, runtime, warmup=1))
+        del models
     report(runs)
 
 

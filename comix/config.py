@@ -66,6 +66,7 @@ class RunConfig:
     threads: int = 0                   # torch threads; 0 = torch's default
     device: str = "auto"               # auto (CUDA when present) | cpu | cuda | cuda:N
     precision: str = "fp32"            # fp32 | bf16 | fp16 (comix/runtime.py: fp32 adapter masters)
+    compile: bool | None = None        # torch.compile the mixtures' slot work; None (= auto): on CUDA only
     gpus_per_client: float = 0.0       # Flower simulation: GPU share of each virtual device (num_gpus)
     offload: bool = False              # keep idle clients' states on disk
     keep_checkpoints: bool = False     # keep checkpoint.pt and client states after a method finishes
@@ -111,6 +112,10 @@ class RunConfig:
             raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:") and self.device[5:].isdigit()):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.compile == "auto":
+            self.compile = None
+        if self.compile not in (None, True, False):
+            raise ConfigError(f"compile must be auto, true or false, got {self.compile!r}")
         if not 0.0 <= self.gpus_per_client <= 1.0:
             raise ConfigError(f"gpus_per_client must be in [0, 1], got {self.gpus_per_client}")
         if not 0.0 <= self.dropout < 1.0:

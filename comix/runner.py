@@ -93,7 +93,7 @@ def load_inputs(cfg: RunConfig):
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    runtime = resolve(cfg.device, cfg.precision)
+    runtime = resolve(cfg.device, cfg.precision, cfg.compile)
     check_model_spec(cfg.model)
     corpus = load_corpus(cfg.corpus)
     for spec in cfg.methods:  # every method's options checked before the model loads
@@ -116,7 +116,7 @@ def server_context(cfg: RunConfig, out: Path, seed: int):
 
     if not cfg.data.public_frac:
         return None
-    runtime = resolve(cfg.device, cfg.precision)
+    runtime = resolve(cfg.device, cfg.precision, cfg.compile)
     from .data import load_corpus
     from .data.splits import make_server_data
     from .models import load_base_model
@@ -167,7 +167,7 @@ def run_spec(cfg, spec: str, seed: int, out: Path, model, users, console, server
             bar.console.log(f"{label} {info} ({p['seconds']:.0f}s)")
 
         res = run_method(algo, model, users, out, seed=seed, resume=True, offload=mcfg.offload, progress=progress,
-                         keep_checkpoints=mcfg.keep_checkpoints, runtime=resolve(cfg.device, cfg.precision),
+                         keep_checkpoints=mcfg.keep_checkpoints, runtime=resolve(cfg.device, cfg.precision, cfg.compile),
                          server_data=server_data)
         bar.update(task, completed=bar.tasks[0].total)
     return res

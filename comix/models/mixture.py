@@ -112,6 +112,61 @@ class MixtureOfLoRA(nn.Module):
         raise NotImplementedError
 
 
+# Activations the compiled path writes out itself (a compiled function must not close over a
+# module instance, or every layer would compile its own copy): HF class name -> kind.
+ACT_KINDS = {"SiLU": "silu", "SiLUActivation": "silu", "NewGELUActivation": "gelu_tanh",
+             "GELUTanh": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh", "GELUActivation": "gelu", "GELU": "gelu"}
+
+
+def _activate(h: torch.Tensor, act) -> torch.Tensor:
+    if act == "silu":
+        return F.silu(h)
+    if act == "gelu_tanh":  # NewGELUActivation's formula, term for term (transformers activations.py)
+        return 0.5 * h * (1.0 + torch.tanh(0.7978845608028654 * (h + 0.044715 * torch.pow(h, 3.0))))
+    if act == "gelu":
+        return F.gelu(h)
+    return act(h)
+
+
+def slot_hidden(frozen: list[torch.Tensor], delta: list[torch.Tensor], w: torch.Tensor, act):
+    """The d_ff-sized work of every slot at once: h_s = act(F x + dF_s x) [* (U x + dU_s x)] for
+    the frozen outputs ``frozen`` (N, d_ff) and the slots' corrections ``delta`` (N, k, d_ff),
+    and sum_s w_s h_s (one batched matmul). ``act``: an ``ACT_KINDS`` value or a callable."""
+    h = _activate(delta[0] + frozen[0].unsqueeze(1), act)
+    if len(frozen) == 2:  # gated (SwiGLU)
+        h = h * (delta[1] + frozen[1].unsqueeze(1))
+    return h, (w.unsqueeze(1) @ h).squeeze(1)
+
+
+def _compiled_slot_hidden(frozen, delta, w, act):
+    global _COMPILED
+    if _COMPILED is None:
+        _COMPILED = torch.compile(slot_hidden)
+    try:
+        return _COMPILED(frozen, delta, w, act)
+    except Exception as e:  # no C++ compiler / Triton here: the eager form, said once
+        if not getattr(_compiled_slot_hidden, "warned", False):
+            import logging
+            logging.getLogger("comix").warning("torch.compile of the mixture failed (%s); running it eagerly",
+                                               str(e).splitlines()[0][:200])
+            _compiled_slot_hidden.warned = True
+        _COMPILED = slot_hidden
+        return slot_hidden(frozen, delta, w, act)
+
+
+_COMPILED = None
+
+
+def set_compiled(model: nn.Module, compiled: bool) -> nn.Module:
+    """Run every mixture MLP of ``model`` through the compiled ``slot_hidden`` (torch.compile:
+    the slots' add, activation, product and weighted sum fused into one kernel per pass) or the
+    eager one. The result is the same function (tested); only the speed differs."""
+    for m in model.modules():
+        if isinstance(m, MixtureOfLoRAMLP):
+            m.compiled = compiled
+    return model
+
+
 class MixtureOfLoRAMLP(MixtureOfLoRA):
     """CoMiGS's MLP: n LoRA experts over one frozen HF MLP module (kept at ``.base``)."""
 
@@ -129,6 +184,8 @@ class MixtureOfLoRAMLP(MixtureOfLoRA):
             nn.ModuleDict({p: LoRAWeights(*dims[p], lora.rank) for p in self.layout.projections})
             for _ in range(n_experts))
         self.dropout = nn.Dropout(lora.dropout) if lora.dropout > 0 else nn.Identity()
+        self.compiled = False
+        self._act_kind = ACT_KINDS.get(type(getattr(mlp, self.layout.act)).__name__)
 
     # -- helpers -------------------------------------------------------------------------------
     def _proj(self, name: str) -> nn.Module:
@@ -156,27 +213,28 @@ class MixtureOfLoRAMLP(MixtureOfLoRA):
         return self._finish(self._naive(x, routing))
 
     def _fused(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """The exact fused form (module docstring) with the k slots of a token side by side, so
+        every per-slot tensor is one (N, k, .) tensor: the LoRA scaling and the slot's one-hot
+        expert mask act on the rank-sized factors (never on d_ff-sized tensors), and the
+        d_ff-sized elementwise work of all slots is one call of ``slot_hidden`` (compiled into
+        one fused kernel per pass when ``self.compiled``, see ``set_compiled``)."""
         lay, s, r, n = self.layout, self.scaling, self.rank, self.n_experts
         xd = self.dropout(x)
-        in_projs = ((lay.gate,) if lay.gate else ()) + (lay.up,)
-        frozen = [self._proj(p)(x) for p in in_projs]              # once per token
-        stacks = [self._stacked(p) for p in in_projs]
-        xa = [xd @ a.t() for a, _ in stacks]                        # (N, n*r), all experts at once
+        w = routing.topk_weight.to(x.dtype)                          # (N, k)
+        # (N, k, n*r): slot k of a token keeps its expert's r columns only, times the scaling
+        keep = s if n == 1 else F.one_hot(routing.topk_index, n).to(x.dtype).repeat_interleave(r, -1) * s
+        frozen, delta = [], []
+        for p in ((lay.gate,) if lay.gate else ()) + (lay.up,):
+            a, b = self._stacked(p)
+            frozen.append(self._proj(p)(x))                          # once per token, (N, d_ff)
+            delta.append(((xd @ a.t()).unsqueeze(1) * keep) @ b.t())  # all experts at once, (N, k, d_ff)
+        if self.compiled and self._act_kind:
+            h, hidden = _compiled_slot_hidden(frozen, delta, w, self._act_kind)
+        else:  # h: (N, k, d_ff); hidden = sum_s p_s h_s, (N, d_ff)
+            h, hidden = slot_hidden(frozen, delta, w, self._act)
         a_down, b_down = self._stacked(lay.down)
-        hidden_sum, z = 0.0, 0.0
-        for slot in range(routing.topk_index.shape[1]):
-            w = routing.topk_weight[:, slot:slot + 1]
-            if n == 1:
-                mask = None
-            else:  # one-hot over the n expert blocks of width r: keep this slot's expert only
-                mask = F.one_hot(routing.topk_index[:, slot], n).to(x.dtype).repeat_interleave(r, 1)
-            pre = [f + ((q if mask is None else q * mask) @ b.t()) * s
-                   for f, q, (_, b) in zip(frozen, xa, stacks)]
-            h = self._act(pre[0]) * pre[1] if lay.gate else self._act(pre[0])
-            hidden_sum = hidden_sum + w * h
-            hz = self.dropout(h) @ a_down.t()
-            z = z + (w if mask is None else w * mask) * hz
-        return self._proj(lay.down)(hidden_sum) + (z @ b_down.t()) * s
+        z = ((self.dropout(h) @ a_down.t()) * (w.unsqueeze(-1) * keep)).sum(1)  # (N, n*r)
+        return self._proj(lay.down)(hidden) + z @ b_down.t()
 
     def _expert_mlp(self, x: torch.Tensor, j: int) -> torch.Tensor:
         """MLP_j(x): the frozen MLP with expert j's LoRA on every projection (no output dropout)."""

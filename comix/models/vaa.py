@@ -14,8 +14,12 @@ The paper leaves open what the teacher side of eq. 9 looks like for sequences; h
 choice) the teacher's stage-j hidden state is averaged over the *same token patches* (features
 aligned by position: teacher and student read the same token ids, see ``deepfusion.py`` on
 tokenizers), then normalised by a parameter-free LayerNorm so that no stage's scale dominates
-the sum (LLM hidden states grow with depth). Defaults (paper silent): J = 4 stages, P_q = 64
-queries, d = 256, 4 heads.
+the sum (LLM hidden states grow with depth). The student's patches are normalised the same way
+before C_j (second documented choice): raw residual-stream features carry a few outlier
+dimensions (SmolLM2's reach the hundreds), so without it L_FM started at 56-71 against CE ~ 3 and
+its gradient, scaled by those outliers, dominated eq. 11 for a whole CPU-scale budget (measured,
+README "DeepFusion"); normalised, L_FM starts near J and VAA learns the mapping instead.
+Defaults (paper silent): J = 4 stages, P_q = 64 queries, d = 256, 4 heads.
 """
 from __future__ import annotations
 
@@ -68,10 +72,11 @@ class ViewAlignedAttention(nn.Module):
         self.out = nn.ModuleList(nn.Linear(d, c) for c in teacher_widths)
 
     def _patchify(self, j: int, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """C_j(F_j^S): (B, T, C) -> (B, P_q / J, d): each token patch's mean projected to width d
+        """C_j(F_j^S): (B, T, C) -> (B, P_q / J, d): each token patch's mean, normalised, projected to width d
         (a 1x1 convolution; it commutes with the mean, so this is the patch embedding with
         weights shared across a patch's positions, and it accepts any sequence length)."""
-        pooled = pool_patches(x, self.per_stage, mask)
+        pooled = pool_patches(x.float(), self.per_stage, mask)
+        pooled = F.layer_norm(pooled, pooled.shape[-1:]).to(self.convs[j].weight.dtype)  # scale-free input
         return self.convs[j](pooled.transpose(1, 2)).transpose(1, 2)
 
     def forward(self, student: list[torch.Tensor], mask: torch.Tensor | None = None) -> list[torch.Tensor]:

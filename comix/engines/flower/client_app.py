@@ -84,7 +84,7 @@ def device_for(msg: Message, context: Context, read: int, write: int) -> Device:
     if REGISTRY[name][0].pooled or not algo.trains:
         raise ValueError(f"method {name} does not run on devices")
     # each SuperNode computes on its own device: node config `device` (e.g. cuda:1) or the recipe's
-    runtime = resolve(str(node.get("device", cfg.device)), cfg.precision)
+    runtime = resolve(str(node.get("device", cfg.device)), cfg.precision, cfg.compile)
     base = _base(cfg.model, cfg.dropout, str(node.get("device", cfg.device)), cfg.precision)
     key = hashlib.sha1(f"{run['config']}|{run['method']}|{run['seed']}".encode()).hexdigest()[:12]
     state_dir = node.get("state-dir") or run.get("state_dir") or "comix-device-state"
