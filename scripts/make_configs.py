@@ -133,7 +133,7 @@ DEEPFUSION_SCALES = {
     "paper": dict(clients=[16, 32, 64, 128], local_steps=200, kd_steps=500, tune_steps=500, test_tokens=16384),
 }
 # heterogeneous on-device LMs that read SmolLM2's token ids (models/devices.py): SmolLM2 and its
-# depth- and width-pruned variants (calibration loss 3.10 / 4.11 / 4.05 / 5.72 nats: usable
+# depth- and width-pruned variants (held-out loss 3.10 / 3.97 / 4.34 / 5.55 nats, bench/prune_quality.py: usable
 # teachers, as the paper's pretrained GPT-2 / TinyLlama devices are) and, at paper scale, a
 # randomly initialised small GPT-2 (an architecture VAA must bridge)
 DEEPFUSION_DEVICES = {"cpu": ["base", "prune:24:1536", "prune:30:1024", "prune:20:1536"],

@@ -36,6 +36,25 @@ def test_resolve_names_the_bad_value():
         load_config(None, ["device=gpu0"])
 
 
+def test_compile_setting_reaches_every_mixture_and_changes_no_number(setup, tmp_path):
+    """compile=auto is on for CUDA only; a compiled run (training and evaluation) gives the
+    eager run's numbers; what it compiles is the mixture layers' slot work."""
+    from comix.models.mixture import MixtureOfLoRAMLP
+    assert load_config(None, ["compile=auto"]).compile is None and load_config(None, ["compile=true"]).compile
+    with pytest.raises(ConfigError, match="compile must be auto, true or false, got 'maybe'"):
+        load_config(None, ["compile=maybe"])
+    assert resolve("cpu", "fp32").compile is False and resolve("cpu", "fp32", True).compile is True
+    model, users = setup
+    algo = make_algorithm("comigs-1g1s", LoRAConfig(r=4), _train(rounds=2), len(users))
+    layers = [m for m in ClientModels(model, algo, Runtime(compile=True)).for_client(0).modules()
+              if isinstance(m, MixtureOfLoRAMLP)]
+    assert layers and all(m.compiled for m in layers)
+    eager = _run(tmp_path / "eager", "comigs-1g1s", users, model, Runtime())
+    compiled = _run(tmp_path / "compiled", "comigs-1g1s", users, model, Runtime(compile=True))
+    for u in eager["per_user"]:
+        assert compiled["per_user"][u]["test_ppl"] == pytest.approx(eager["per_user"][u]["test_ppl"], rel=1e-5)
+
+
 def _run(tmp_path, name, users, model, runtime, **train):
     algo = make_algorithm(name, LoRAConfig(r=4), _train(rounds=2, **train), len(users))
     base = runtime.prepare_base(model)
