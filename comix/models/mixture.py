@@ -144,12 +144,10 @@ def _compiled_slot_hidden(frozen, delta, w, act):
         _COMPILED = torch.compile(slot_hidden)
     try:
         return _COMPILED(frozen, delta, w, act)
-    except Exception as e:  # no C++ compiler / Triton here: the eager form, said once
-        if not getattr(_compiled_slot_hidden, "warned", False):
-            import logging
-            logging.getLogger("comix").warning("torch.compile of the mixture failed (%s); running it eagerly",
-                                               str(e).splitlines()[0][:200])
-            _compiled_slot_hidden.warned = True
+    except Exception as e:  # no C++ compiler / Triton here: the eager form from now on, said once
+        import logging
+        logging.getLogger("comix").warning("torch.compile of the mixture failed (%s); running it eagerly",
+                                           str(e).splitlines()[0][:200])
         _COMPILED = slot_hidden
         return slot_hidden(frozen, delta, w, act)
 
