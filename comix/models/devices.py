@@ -17,6 +17,7 @@ the same model.
 from __future__ import annotations
 
 import copy
+import functools
 import zlib
 
 import torch
@@ -62,18 +63,26 @@ def _random_model(arch: str, layers: int, width: int, base: nn.Module, seed: int
         return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
 
 
+@functools.lru_cache(maxsize=4)
+def _calibration(tokenizer_dir: str) -> torch.Tensor:
+    """The pruning calibration batch, tokenised once per process (the server rebuilds every
+    uploaded device's model)."""
+    from transformers import AutoTokenizer
+
+    from .prune import calibration_ids
+    return calibration_ids(AutoTokenizer.from_pretrained(tokenizer_dir))
+
+
 def build_device_model(spec: str, base: nn.Module) -> nn.Module:
     """A new fp32 model for ``spec`` (weights independent of ``base``'s: devices train it fully)."""
     kind, nums = parse_device_spec(spec)
     if kind == "base":
         model = copy.deepcopy(base).float()
     elif kind == "prune":
-        from transformers import AutoTokenizer
-
         from .base import tokenizer_source
-        from .prune import calibration_ids, prune
-        calibration = calibration_ids(AutoTokenizer.from_pretrained(tokenizer_source(base)))
-        model = prune(copy.deepcopy(base).float(), calibration, layers=nums[0], intermediate=nums[1])
+        from .prune import prune
+        model = prune(copy.deepcopy(base).float(), _calibration(tokenizer_source(base)), layers=nums[0],
+                      intermediate=nums[1])
     elif kind.startswith("random-"):
         model = _random_model(kind[7:], nums[0], nums[1], base, seed=zlib.crc32(spec.encode()))
     else:
