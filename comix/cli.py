@@ -24,13 +24,24 @@ def _console():
 
 
 def results_table(results: list[dict], users: list[str]) -> str:
-    from .compare import metric_of
-    head = "| method | " + " | ".join(users) + " | mean |"
-    rows = [head, "|" + "---|" * (len(users) + 2)]
+    """Each method's test metric per user and its mean over users (``compare.user_table``'s layout)."""
+    from .compare import metric_of, user_table
+    cells = {}
     for r in results:
         key, mean = metric_of(r)
-        cells = [f"{r['per_user'][u][key]:.2f}" if key in r["per_user"].get(u, {}) else "-" for u in users]
-        rows.append(f"| {r['method']} | " + " | ".join(cells) + f" | {mean:.2f} |")
+        cells[r["method"]] = [f"{r['per_user'][u][key]:.2f}" if key in r["per_user"].get(u, {}) else "-"
+                              for u in users] + [f"{mean:.2f}"]
+    return user_table(cells, [*users, "mean"])
+
+
+def results_summary(results: list[dict]) -> str:
+    """What the console shows for many users: per method the mean, min and max over users."""
+    from .compare import metric_of
+    rows = ["| method | users | mean | min | max |", "|---|---|---|---|---|"]
+    for r in results:
+        key, mean = metric_of(r)
+        xs = [v[key] for v in r["per_user"].values() if key in v]
+        rows.append(f"| {r['method']} | {len(xs)} | {mean:.2f} | {min(xs):.2f} | {max(xs):.2f} |")
     return "\n".join(rows)
 
 
@@ -87,15 +98,16 @@ def cmd_run(args) -> int:
     atomic_write(run_dir / "results.md", lambda p: Path(p).write_text(
         f"{metric_title(results)} per user ({cfg.model}, {cfg.corpus}, seed {cfg.seed})\n\n{md}\n"))
     atomic_write(run_dir / "results.json", lambda p: Path(p).write_text(json.dumps(results, indent=2)))
-    print(md)
+    from .compare import MANY_USERS
+    print(md if len(users) <= MANY_USERS else results_summary(results) + f"\n(per user: {run_dir}/results.md)")
     console.print(f"results: {run_dir}/results.md (per method: metrics.jsonl, results.json"
                   f"{', adapters/' if not cfg.keep_checkpoints else ', checkpoint.pt'})")
     return 0
 
 
 def cmd_compare(args) -> int:
-    from .compare import (collect, curves, global_model_tables, metric_title, overhead_table, plot_assignment,
-                          plot_curves, references, summary_tables)
+    from .compare import (MANY_USERS, collect, curves, global_model_tables, metric_title, overhead_table,
+                          plot_assignment, plot_curves, references, summary_tables)
     from .engines.device import atomic_write
     from .runner import run_spec, spec_dirname
 
@@ -126,13 +138,13 @@ def cmd_compare(args) -> int:
         {spec: {str(s): r for s, r in by.items()} for spec, by in results.items()}, indent=2)))
     data = curves(run_dir, cfg.methods, seeds)
     refs = references(results)
-    plot_curves(data, run_dir / "curves.png", per_user=False, refs=refs, ylabel=title)
-    plot_curves(data, run_dir / "curves_per_user.png", per_user=True, refs=refs, ylabel=title)
-    drawn = [f"assignment-{spec_dirname(spec)}.png" for spec in cfg.methods
-             if plot_assignment(run_dir, spec, seeds[0], run_dir / f"assignment-{spec_dirname(spec)}.png")]
-    print(md + "\n\n" + overhead + (f"\n\n{global_tables}" if global_tables else ""))
-    console.print(f"wrote {run_dir}/compare.md, compare.json, curves.png, curves_per_user.png"
-                  + "".join(f", {f}" for f in drawn))
+    drawn = [f for f, per_user in (("curves.png", False), ("curves_per_user.png", True))
+             if plot_curves(data, run_dir / f, per_user=per_user, refs=refs, ylabel=title)]
+    drawn += [f"assignment-{spec_dirname(spec)}.png" for spec in cfg.methods
+              if plot_assignment(run_dir, spec, seeds[0], run_dir / f"assignment-{spec_dirname(spec)}.png")]
+    shown = md if len(names) <= MANY_USERS else md.split("\n\n")[0] + f"\n\n(per user: {run_dir}/compare.md)"
+    print(shown + "\n\n" + overhead + (f"\n\n{global_tables}" if global_tables else ""))
+    console.print(f"wrote {run_dir}/compare.md, compare.json" + "".join(f", {f}" for f in drawn))
     return 0
 
 

@@ -47,6 +47,21 @@ def _mean_std(xs: list[float]) -> str:
     return f"{statistics.fmean(xs):.2f} ({statistics.pstdev(xs):.2f})" if len(xs) > 1 else f"{xs[0]:.2f}"
 
 
+MANY_USERS = 8  # beyond this a per-user table lists users as rows (data.splits.token_table summarises likewise)
+
+
+def user_table(cells: dict[str, list[str]], users: list[str]) -> str:
+    """Each method's cells, one per user: methods as rows and users as columns for a few users
+    (CoMiGS's Table 1 layout), users as rows for many (1000 columns would not read)."""
+    if len(users) <= MANY_USERS:
+        rows = ["| method | " + " | ".join(users) + " |", "|" + "---|" * (len(users) + 1)]
+        rows += [f"| {m} | " + " | ".join(c) + " |" for m, c in cells.items()]
+    else:
+        rows = ["| user | " + " | ".join(cells) + " |", "|" + "---|" * (len(cells) + 1)]
+        rows += [f"| {u} | " + " | ".join(c[i] for c in cells.values()) + " |" for i, u in enumerate(users)]
+    return "\n".join(rows)
+
+
 def summary_tables(results: dict[str, dict[int, dict]], users: list[str]) -> str:
     """Table 1/5 (CoMiGS) or I/II/III (FedAMoLE) style: mean (std) over seeds of the users' mean
     test metric (of the last round: MTAL for accuracy / Rouge-L), and a per-user table."""
@@ -55,13 +70,11 @@ def summary_tables(results: dict[str, dict[int, dict]], users: list[str]) -> str
     lines = [f"| method | {label} (std over seeds) | seeds |", "|---|---|---|"]
     for spec, by_seed in results.items():
         lines.append(f"| {spec} | {_mean_std([metric_of(r)[1] for r in by_seed.values()])} | {len(by_seed)} |")
-    lines += ["", "| method | " + " | ".join(users) + " |", "|" + "---|" * (len(users) + 1)]
-    for spec, by_seed in results.items():
-        cells = [_mean_std(xs) if (xs := [r["per_user"][u][metric_of(r)[0]] for r in by_seed.values()
-                                           if metric_of(r)[0] in r["per_user"].get(u, {})]) else "-"
-                 for u in users]
-        lines.append(f"| {spec} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    cells = {spec: [_mean_std(xs) if (xs := [r["per_user"][u][metric_of(r)[0]] for r in by_seed.values()
+                                             if metric_of(r)[0] in r["per_user"].get(u, {})]) else "-"
+                    for u in users]
+             for spec, by_seed in results.items()}
+    return "\n".join(lines + ["", user_table(cells, users)])
 
 
 def curves(run_dir: Path, specs: list[str], seeds: list[int]) -> dict[str, dict[str, list[tuple[int, float]]]]:
@@ -91,7 +104,10 @@ def references(results: dict[str, dict[int, dict]]) -> dict[str, dict[str, float
 
 
 def plot_curves(data: dict, path: Path, per_user: bool, refs: dict | None = None,
-                ylabel: str = "test perplexity") -> None:
+                ylabel: str = "test perplexity") -> bool:
+    """Learning curves, mean over users or a panel per user; False (nothing drawn) when there is
+    no curve, or a panel per user is asked for more than MANY_USERS users (1000 panels would not
+    read, nor fit Agg's 65,536-pixel limit)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -99,8 +115,8 @@ def plot_curves(data: dict, path: Path, per_user: bool, refs: dict | None = None
     from .engines.device import atomic_write
 
     users = sorted({u for by_user in data.values() for u in by_user})
-    if not users:  # only untrained methods (Pretrained): no curve to draw
-        return
+    if not users or (per_user and len(users) > MANY_USERS):  # untrained methods only (Pretrained): no curve
+        return False
     panels = users if per_user else ["mean over users"]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False)
     for ax, panel in zip(axes[0], panels):
@@ -123,6 +139,7 @@ def plot_curves(data: dict, path: Path, per_user: bool, refs: dict | None = None
     fig.tight_layout()
     atomic_write(path, lambda p: fig.savefig(p, dpi=120, format="png"))
     plt.close(fig)
+    return True
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -202,6 +219,7 @@ def plot_assignment(run_dir: Path, spec: str, seed: int, path: Path) -> bool:
     fig.tight_layout()
     atomic_write(path, lambda p: fig.savefig(p, dpi=120, format="png"))
     plt.close(fig)
+    return True
     return True
 
 

@@ -128,9 +128,10 @@ def fedamole_configs() -> None:
 DEEPFUSION_SCALES = {
     # 2 CPU cores (~15 min a method): N = 8 devices, 30 local steps of 4 x 128 tokens (full
     # fine-tuning, lr 1e-4), K = 4 domains, 30 KD and 30 MoE-tuning steps on the public data
-    "cpu": dict(clients=[8], local_steps=30, kd_steps=30, tune_steps=30, test_tokens=2048),
+    "cpu": dict(clients=[8], local_steps=30, kd_steps=30, tune_steps=30, test_tokens=2048, fedjets_rounds=3),
     # the paper's scales N = 16..128 (Sec. V-A); step counts are ours (the paper gives none): a GPU job
-    "paper": dict(clients=[16, 32, 64, 128], local_steps=200, kd_steps=500, tune_steps=500, test_tokens=16384),
+    "paper": dict(clients=[16, 32, 64, 128], local_steps=200, kd_steps=500, tune_steps=500, test_tokens=16384,
+                  fedjets_rounds=10),
 }
 # heterogeneous on-device LMs that read SmolLM2's token ids (models/devices.py): SmolLM2 and its
 # depth- and width-pruned variants (held-out loss 3.10 / 3.97 / 4.34 / 5.55 nats, bench/prune_quality.py: usable
@@ -149,7 +150,12 @@ def deepfusion_configs() -> None:
     built-in QA cases (comix/data/qa.py); Dirichlet(0.1) devices: one dominant domain each."""
     for scale, s in DEEPFUSION_SCALES.items():
         for (case, what), n in ((c, n) for c in DEEPFUSION_CASES.items() for n in s["clients"]):
-            methods = ["deepfusion", "fedkmt", "ofa-kd"] + (["fedjets", "central-moe"] if scale == "paper" else [])
+            # FedJETS is multi-round: its devices take the one-shot devices' step budget over 3 rounds
+            # (rounds x local_steps = local_steps of a DeepFusion device); central-moe: the bound of Fig. 9
+            rounds = s["fedjets_rounds"]
+            assert s["local_steps"] % rounds == 0, "FedJETS's rounds must divide the device budget"
+            fedjets = f"fedjets:train.rounds={rounds},train.local_steps={s['local_steps'] // rounds}"
+            methods = ["deepfusion", "fedkmt", "ofa-kd", fedjets, "central-moe"]
             cfg = dict(model="smollm2-135m", corpus=case, methods=methods,
                        seeds=[42] if scale == "cpu" else [42, 62, 82],
                        **({"precision": "bf16"} if scale == "paper" else {}),
@@ -157,7 +163,10 @@ def deepfusion_configs() -> None:
                        train=dict(rounds=1, local_steps=s["local_steps"], batch_size=4, seq_len=128, lr=1e-4,
                                   weight_decay=0.0, betas=[0.9, 0.999], eval_splits=["test"]),
                        deepfusion=dict(devices=DEEPFUSION_DEVICES[scale], experts=4, top_k=2,
-                                       kd_steps=s["kd_steps"], tune_steps=s["tune_steps"]))
+                                       kd_steps=s["kd_steps"], tune_steps=s["tune_steps"],
+                                       # devices train once for deepfusion / fedkmt / ofa-kd (identical
+                                       # device phase; $COMIX_CACHE/deepfusion-devices, ~3 GB at N = 8)
+                                       **({"device_cache": True} if scale == "cpu" else {})))
             write(ROOT / "deepfusion" / f"{scale}-{case}-n{n}.yaml",
                   f"DeepFusion Tables I-II / Fig. 7-9, {what}, N = {n} devices; {scale} scale "
                   f"(scripts/make_configs.py).\nRun: comix compare configs/deepfusion/{scale}-{case}-n{n}.yaml", cfg)

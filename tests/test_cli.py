@@ -156,3 +156,36 @@ def test_method_spec_errors_name_the_option(tmp_path, capsys):
                       ("hetlora:data.mode=ood", "would change the data"), ("nosuch", "unknown method")):
         assert main(["compare", "model=tiny-llama", f"run_dir={tmp_path / 'x'}", "--methods", spec]) == 2
         assert msg in capsys.readouterr().err
+
+
+def test_many_clients_read_as_rows_and_the_console_shows_a_summary(tmp_path, capsys):
+    """A 1000-column table cannot be read (issue G, 1000 clients): past MANY_USERS users the
+    per-user table lists users as rows, the console shows mean / min / max per method, and no
+    per-user figure is drawn; a few users keep CoMiGS's layout (methods as rows)."""
+    from comix.cli import results_table
+    from comix.compare import MANY_USERS
+    names = [f"u{i}" for i in range(MANY_USERS + 4)]
+    result = {"method": "local", "metric": "test_ppl", "mean": 2.5,
+              "per_user": {u: {"test_ppl": 1.0 + i} for i, u in enumerate(names)}}
+    wide = results_table([result], names[:3])
+    assert wide.splitlines()[0] == "| method | u0 | u1 | u2 | mean |"
+    tall = results_table([result], names).splitlines()
+    assert tall[0] == "| user | local |" and tall[2] == "| u0 | 1.00 |" and tall[-1] == "| mean | 2.50 |"
+    data = tmp_path / "data"
+    for c in ("a", "b"):
+        (data / c).mkdir(parents=True)
+        for i in range(30):
+            (data / c / f"{i}.txt").write_text(f"{c} words {i} " * 25)
+    run = tmp_path / "grid"
+    many = [f"corpus={data}", *TINY, "train.rounds=1", "train.eval_every=1", "data.clients=12", "data.alpha=0.5",
+            "data.valid_tokens=128", "data.test_tokens=128", "train.eval_splits=[test]"]
+    assert main(["run", f"run_dir={tmp_path / 'one'}", *many, "methods=[local]"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("| method | users | mean | min | max |\n") and "| local | 12 |" in out
+    assert "| client11 |" in (tmp_path / "one" / "results.md").read_text()
+    assert main(["compare", f"run_dir={run}", *many, "--methods", "local", "--seeds", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| local |" in out and "client11" not in out and "per user:" in out
+    md = (run / "compare.md").read_text()
+    assert "| client11 |" in md
+    assert (run / "curves.png").exists() and not (run / "curves_per_user.png").exists()

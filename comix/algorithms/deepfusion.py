@@ -178,7 +178,7 @@ class DeepFusion(Algorithm):
                  embed_tokens: int = 128, stages: int = 4, queries: int = 64, vaa_dim: int = 256, vaa_heads: int = 4,
                  alpha: float = 1.0, beta: float = 1.0, temperature: float = 1.0, kd_steps: int = 20,
                  kd_lr: float = 1e-4, kd_batch: int = 4, tune_steps: int = 20, tune_lr: float = 1e-4,
-                 aux_loss_coef: float = 0.001):
+                 aux_loss_coef: float = 0.001, device_cache: bool = False):
         super().__init__(lora, train, n_clients)
         if train.rounds != 1:
             raise ValueError(f"{self.name} is one-shot (devices upload once): train.rounds must be 1, got {train.rounds}")
@@ -205,7 +205,9 @@ class DeepFusion(Algorithm):
         self.alpha, self.beta, self.temperature = alpha, beta, temperature
         self.kd_steps, self.kd_lr, self.kd_batch = kd_steps, kd_lr, kd_batch
         self.tune_steps, self.tune_lr, self.aux_loss_coef = tune_steps, tune_lr, aux_loss_coef
+        self.device_cache = device_cache
         self._initial: dict[str, Tensors] = {}
+        self._initial_digest: dict[str, str] = {}
         self._encoder = None
         self.moe = None
 
@@ -238,6 +240,11 @@ class DeepFusion(Algorithm):
                 for s in starts.sort().values.tolist()]
 
     def client_round(self, ctx: ClientContext, state: ClientState, payload: Tensors):
+        key = self._device_key(ctx, state) if self.device_cache else None
+        cached = load_device_upload(key) if key else None
+        if cached is not None:  # this device already trained with exactly these inputs
+            upload, metrics, state.rng = cached
+            return state, upload, {**metrics, "device_cache": "hit"}
         model = ctx.model
         model.load_state_dict(self._initial[self.device_spec(ctx.client)])  # this device's own start
         gen = batch_generator(state)
@@ -257,8 +264,39 @@ class DeepFusion(Algorithm):
         texts = self.data_texts(ctx.data.train, AutoTokenizer.from_pretrained(self._tokenizer_dir), seed=ctx.client)
         embedding = self.encoder(ctx.runtime).data_embedding(texts, self.embed_examples, seed=ctx.client)
         upload = {**{f"weights.{n}": p.detach().to("cpu", copy=True) for n, p in params}, "data_embedding": embedding}
-        return state, upload, {"train_loss": torch.stack(losses).mean().item(), "device_model": self.device_spec(ctx.client),
-                               "device_params": sum(p.numel() for _, p in params)}
+        metrics = {"train_loss": torch.stack(losses).mean().item(), "device_model": self.device_spec(ctx.client),
+                   "device_params": sum(p.numel() for _, p in params)}
+        if key:
+            save_device_upload(key, upload, metrics, state.rng)
+        return state, upload, metrics
+
+    def _device_key(self, ctx: ClientContext, state: ClientState) -> str:
+        """A digest of everything a device's one-shot phase reads: its model spec and starting
+        weights, its training data and batch RNG, the ``train`` settings, the embedding settings and
+        the runtime. DeepFusion, FedKMT and OFA-KD differ only on the server, so with
+        ``device_cache`` a comparison trains each device once (a simulation shortcut; any change
+        to these inputs is a different key and trains again)."""
+        import dataclasses
+        import hashlib
+        import json
+
+        spec = self.device_spec(ctx.client)
+        if spec not in self._initial_digest:
+            h = hashlib.sha256()
+            for n, t in sorted(self._initial[spec].items()):
+                h.update(n.encode())
+                h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+            self._initial_digest[spec] = h.hexdigest()
+        h = hashlib.sha256(b"deepfusion-device-v1")
+        rt = ctx.runtime
+        settings = {"spec": spec, "client": ctx.client, "train": dataclasses.asdict(self.train),
+                    "embed": [self.encoder_name, self.embed_examples, self.embed_tokens],
+                    "tokenizer": str(self._tokenizer_dir), "runtime": [str(rt.device), rt.precision]}
+        h.update(json.dumps(settings, sort_keys=True, default=str).encode())
+        h.update(self._initial_digest[spec].encode())
+        h.update(ctx.data.train.contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(batch_generator(state).get_state().numpy().tobytes())
+        return h.hexdigest()
 
     # -- server ----------------------------------------------------------------------------------
     def server_init(self, initial):
@@ -427,6 +465,48 @@ class OFAKD(DeepFusion):
     space and aligned with the teacher's logits (``OFABranches``) in place of VAA."""
     name = "ofa-kd"
     feature = "ofa"
+
+
+def device_cache_path(key: str):
+    from ..models.base import cache_dir
+    return cache_dir() / "deepfusion-devices" / f"{key}.safetensors"
+
+
+def save_device_upload(key: str, upload: Tensors, metrics: dict, rng: torch.Tensor) -> None:
+    """A device's upload, metrics and batch RNG under ``$COMIX_CACHE/deepfusion-devices``
+    (temp file, then rename: a killed run leaves no half-written entry)."""
+    import json
+    import os
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    path = device_cache_path(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file({**{f"upload.{n}": t.contiguous() for n, t in upload.items()}, "rng": rng.contiguous()}, tmp,
+                  metadata={"metrics": json.dumps(metrics)})
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load_device_upload(key: str) -> tuple[Tensors, dict, torch.Tensor] | None:
+    import json
+
+    from safetensors import safe_open
+
+    path = device_cache_path(key)
+    if not path.exists():
+        return None
+    with safe_open(str(path), "pt") as f:
+        tensors = {n: f.get_tensor(n) for n in f.keys()}
+        metrics = json.loads(f.metadata()["metrics"])
+    upload = {n[len("upload."):]: t for n, t in tensors.items() if n.startswith("upload.")}
+    return upload, metrics, tensors["rng"]
 
 
 def save_moe(moe: nn.Module, path, tokenizer_dir: str | None) -> None:
