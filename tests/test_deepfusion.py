@@ -474,3 +474,20 @@ def test_device_cache_reuses_a_device_phase_only_when_every_input_matches(tmp_pa
         assert main(["compare", f"corpus={data}", f"run_dir={tmp_path / str(i)}", *cached, *change[:-2],
                      "--methods", "ofa-kd", *change[-2:]]) == 0
         assert not any("device_cache" in m for _, m in sent["ofa-kd"].values()), change
+
+
+def test_recipes_give_fedjets_devices_the_one_shot_devices_step_budget():
+    """Fair comparison (Fig. 8-9): a FedJETS device takes, over its rounds, as many local steps as
+    a DeepFusion device takes once; every recipe compares all five methods."""
+    from pathlib import Path
+
+    from comix.config import load_config
+    from comix.runner import spec_config, split_spec
+    recipes = sorted((Path(__file__).parents[1] / "configs" / "deepfusion").glob("*.yaml"))
+    assert len(recipes) == 10
+    for path in recipes:
+        cfg = load_config(str(path))
+        assert {split_spec(m)[0] for m in cfg.methods} == {"deepfusion", "fedkmt", "ofa-kd", "fedjets", "central-moe"}
+        fedjets = spec_config(cfg, next(m for m in cfg.methods if m.startswith("fedjets")))
+        assert fedjets.train.rounds > 1 and cfg.train.rounds == 1, path.name
+        assert fedjets.train.rounds * fedjets.train.local_steps == cfg.train.local_steps, path.name
