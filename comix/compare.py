@@ -220,7 +220,6 @@ def plot_assignment(run_dir: Path, spec: str, seed: int, path: Path) -> bool:
     atomic_write(path, lambda p: fig.savefig(p, dpi=120, format="png"))
     plt.close(fig)
     return True
-    return True
 
 
 def global_model_tables(run_dir: Path, results: dict[str, dict[int, dict]], specs: list[str], seeds: list[int]) -> str:

@@ -476,22 +476,12 @@ def save_device_upload(key: str, upload: Tensors, metrics: dict, rng: torch.Tens
     """A device's upload, metrics and batch RNG under ``$COMIX_CACHE/deepfusion-devices``
     (temp file, then rename: a killed run leaves no half-written entry)."""
     import json
-    import os
-    import tempfile
 
     from safetensors.torch import save_file
 
-    path = device_cache_path(key)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file({**{f"upload.{n}": t.contiguous() for n, t in upload.items()}, "rng": rng.contiguous()}, tmp,
-                  metadata={"metrics": json.dumps(metrics)})
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    from ..engines.device import atomic_write  # the engines import the algorithms: imported at use
+    tensors = {**{f"upload.{n}": t.contiguous() for n, t in upload.items()}, "rng": rng.contiguous()}
+    atomic_write(device_cache_path(key), lambda p: save_file(tensors, p, metadata={"metrics": json.dumps(metrics)}))
 
 
 def load_device_upload(key: str) -> tuple[Tensors, dict, torch.Tensor] | None:
