@@ -107,7 +107,7 @@ def cmd_run(args) -> int:
 
 def cmd_compare(args) -> int:
     from .compare import (MANY_USERS, collect, curves, global_model_tables, metric_title, overhead_table,
-                          plot_assignment, plot_curves, references, summary_tables)
+                          plot_assignment, plot_curves, plot_global_model, references, summary_tables)
     from .engines.device import atomic_write
     from .runner import run_spec, spec_dirname
 
@@ -140,6 +140,7 @@ def cmd_compare(args) -> int:
     refs = references(results)
     drawn = [f for f, per_user in (("curves.png", False), ("curves_per_user.png", True))
              if plot_curves(data, run_dir / f, per_user=per_user, refs=refs, ylabel=title)]
+    drawn += ["global-model.png"] if plot_global_model(run_dir, results, seeds, run_dir / "global-model.png") else []
     drawn += [f"assignment-{spec_dirname(spec)}.png" for spec in cfg.methods
               if plot_assignment(run_dir, spec, seeds[0], run_dir / f"assignment-{spec_dirname(spec)}.png")]
     shown = md if len(names) <= MANY_USERS else md.split("\n\n")[0] + f"\n\n(per user: {run_dir}/compare.md)"

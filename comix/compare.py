@@ -228,8 +228,7 @@ def global_model_tables(run_dir: Path, results: dict[str, dict[int, dict]], spec
     with the dense base before distillation as a row; total upload (MB, Fig. 8) and each device
     model's training state (parameters + gradients + AdamW moments, fp32 MB; Fig. 7's on-device
     memory). Empty when no method scored a global model."""
-    scored = {s: by for s, by in results.items() if any("test_log_ppl" in v for r in by.values()
-                                                         for v in r["per_user"].values())}
+    scored = _global_scored(results)
     if not scored:
         return ""
     domains = sorted({d for by in scored.values() for r in by.values() for d in r["per_user"]})
@@ -247,12 +246,74 @@ def global_model_tables(run_dir: Path, results: dict[str, dict[int, dict]], spec
     lines = ["Communication and device memory", "", "| method | total upload (MB) | device model: training state (MB) |",
              "|---|---|---|"]
     for spec, by in scored.items():
-        memory: dict[str, float] = {}
-        for seed in seeds:
-            for row in _jsonl(run_dir / f"seed{seed}" / spec_dirname(spec) / "metrics.jsonl"):
-                if "device_model" in row:
-                    memory[row["device_model"]] = row["trainable_mb"]
+        memory = _device_memory(run_dir, spec, seeds)
         up = _mean_std([r["bytes_up_total"] / 2**20 for r in by.values()])
         lines.append(f"| {spec} | {up} | " + ", ".join(f"{m}: {v:.1f}" for m, v in sorted(memory.items())) + " |")
     out.append("\n".join(lines))
     return "\n\n".join(out)
+
+
+def _global_scored(results: dict[str, dict[int, dict]]) -> dict[str, dict[int, dict]]:
+    """The methods whose server scored a global model (DeepFusion and its baselines)."""
+    return {s: by for s, by in results.items() if any("test_log_ppl" in v for r in by.values()
+                                                      for v in r["per_user"].values())}
+
+
+def _device_memory(run_dir: Path, spec: str, seeds: list[int]) -> dict[str, float]:
+    """Device model -> its training state (MB) as the devices of ``spec``'s runs logged it."""
+    memory: dict[str, float] = {}
+    for seed in seeds:
+        for row in _jsonl(run_dir / f"seed{seed}" / spec_dirname(spec) / "metrics.jsonl"):
+            if "device_model" in row:
+                memory[row["device_model"]] = row["trainable_mb"]
+    return memory
+
+
+def plot_global_model(run_dir: Path, results: dict[str, dict[int, dict]], seeds: list[int], path: Path) -> bool:
+    """DeepFusion Fig. 7-9 in one figure: (a) the global model's test token perplexity (log, mean
+    over domains and seeds) per method, the dense base before distillation dashed (Fig. 9 when
+    central-moe ran: the centralized bound is one of the bars); (b) total upload per method (MB,
+    log scale; Fig. 8); (c) training state of each device model (MB; Fig. 7). False (nothing
+    drawn) when no method scored a global model."""
+    scored = _global_scored(results)
+    if not scored:
+        return False
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .engines.device import atomic_write
+
+    def mean_over(by, key):
+        return statistics.fmean(statistics.fmean(v[key] for v in r["per_user"].values()) for r in by.values())
+
+    specs = list(scored)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    ax = axes[0]
+    log_ppl = [mean_over(scored[s], "test_log_ppl") for s in specs]
+    base = mean_over(next(iter(scored.values())), "test_base_log_ppl")
+    ax.bar_label(ax.bar(range(len(specs)), log_ppl, color="tab:blue"), fmt="%.3f", fontsize=7)
+    ax.axhline(base, ls="--", color="grey", label=f"dense base before distillation ({base:.3f})")
+    ax.set_ylim(0.9 * min(log_ppl + [base]), 1.05 * max(log_ppl + [base]))  # the differences, not the zero
+    ax.set_title("(a) global model: test token perplexity (log)")
+    ax.legend(fontsize=7)
+    ax = axes[1]
+    upload = [statistics.fmean(r["bytes_up_total"] / 2**20 for r in scored[s].values()) for s in specs]
+    ax.bar_label(ax.bar(range(len(specs)), [u or float("nan") for u in upload], color="tab:orange"),  # 0: no bar
+                 labels=[f"{u:,.0f}" for u in upload], fontsize=7)
+    ax.set_yscale("log")
+    ax.set_title("(b) total upload (MB)")
+    for ax in axes[:2]:
+        ax.set_xticks(range(len(specs)), specs, rotation=20, ha="right", fontsize=7)
+    memory: dict[str, float] = {}
+    for spec in specs:
+        memory.update(_device_memory(run_dir, spec, seeds))
+    ax = axes[2]
+    names = sorted(memory)
+    ax.bar_label(ax.bar(range(len(names)), [memory[m] for m in names], color="tab:green"), fmt="%.0f", fontsize=7)
+    ax.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize=7)
+    ax.set_title("(c) device training state (MB)")
+    fig.tight_layout()
+    atomic_write(path, lambda p: fig.savefig(p, dpi=120, format="png"))
+    plt.close(fig)
+    return True

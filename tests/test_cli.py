@@ -189,3 +189,4 @@ def test_many_clients_read_as_rows_and_the_console_shows_a_summary(tmp_path, cap
     md = (run / "compare.md").read_text()
     assert "| client11 |" in md
     assert (run / "curves.png").exists() and not (run / "curves_per_user.png").exists()
+    assert not (run / "global-model.png").exists()  # no global model was scored

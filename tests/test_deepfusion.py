@@ -311,6 +311,7 @@ def test_deepfusion_one_shot_end_to_end(tmp_path, monkeypatch):
     total = json.loads((run / "deepfusion" / "results.json").read_text())["bytes_up_total"] / 2**20
     assert f"| deepfusion | {total:.2f} |" in md
     assert "| deepfusion | med" not in md and "| method | code | fin | med |" in md
+    assert (tmp_path / "global-model.png").read_bytes()[:4] == b"\x89PNG"  # Fig. 7-9
 
 
 def test_deepfusion_refuses_bad_settings_in_one_line(tmp_path, capsys):
