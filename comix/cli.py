@@ -41,7 +41,8 @@ def results_summary(results: list[dict]) -> str:
     for r in results:
         key, mean = metric_of(r)
         xs = [v[key] for v in r["per_user"].values() if key in v]
-        rows.append(f"| {r['method']} | {len(xs)} | {mean:.2f} | {min(xs):.2f} | {max(xs):.2f} |")
+        spread = f"{min(xs):.2f} | {max(xs):.2f}" if xs else "- | -"
+        rows.append(f"| {r['method']} | {len(xs)} | {mean:.2f} | {spread} |")
     return "\n".join(rows)
 
 
