@@ -126,8 +126,9 @@ def fedamole_configs() -> None:
 
 
 DEEPFUSION_SCALES = {
-    # 2 CPU cores (~15 min a method): N = 8 devices, 30 local steps of 4 x 128 tokens (full
-    # fine-tuning, lr 1e-4), K = 4 domains, 30 KD and 30 MoE-tuning steps on the public data
+    # 2 CPU cores (measured: devices 16-26 min, once; 9-14 min a server phase; FedJETS 21 min,
+    # central 23 min): N = 8 devices, 30 local steps of 4 x 128 tokens (full fine-tuning, lr 1e-4),
+    # K = 4 domains, 30 KD and 30 MoE-tuning steps on the public data
     "cpu": dict(clients=[8], local_steps=30, kd_steps=30, tune_steps=30, test_tokens=2048, fedjets_rounds=3),
     # the paper's scales N = 16..128 (Sec. V-A); step counts are ours (the paper gives none): a GPU job
     "paper": dict(clients=[16, 32, 64, 128], local_steps=200, kd_steps=500, tune_steps=500, test_tokens=16384,
