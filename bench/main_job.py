@@ -83,14 +83,14 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     old, new = statistics.median(times["old"]), statistics.median(times["new"])
     same = tables["old"] == tables["new"]
-    lines = [f"# Main job, old vs new (`python bench/main_job.py --old {args.old} --new {args.new}"
-             + (f" --repeat {args.repeat}" if args.repeat > 1 else "") + (" " + " ".join(args.overrides) if args.overrides
-                                                                          else "") + "`)", "",
-             f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}; Python {platform.python_version()}."
-             f" Runs interleaved old/new after a warm-up; medians of {args.repeat}.", "",
-             "| commit | wall (min) | peak RSS (MB) |", "|---|---|---|",
-             f"| old {commits['old']} | {old / 60:.2f} | {statistics.median(peaks['old']):,.0f} |",
-             f"| new {commits['new']} | {new / 60:.2f} | {statistics.median(peaks['new']):,.0f} |", "",
+    command = " ".join(["python bench/main_job.py", "--old", args.old, "--new", args.new,
+                        *(["--repeat", str(args.repeat)] if args.repeat > 1 else []), *args.overrides])
+    lines = [f"# Main job, old vs new (`{command}`)", "",
+             f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}; "
+             f"Python {platform.python_version()}. Runs interleaved old/new after a warm-up; medians of {args.repeat}.",
+             "", "| commit | wall (min) | peak RSS (MB) |", "|---|---|---|",
+             *(f"| {k} {commits[k]} | {statistics.median(times[k]) / 60:.2f} | {statistics.median(peaks[k]):,.0f} |"
+               for k in ("old", "new")), "",
              f"Speed-up old / new: **{old / new:.2f}x**. Printed tables identical: **{same}**.", "",
              "Old table:", "", tables["old"], "", "New table:", "", tables["new"], ""]
     text = "\n".join(lines)
