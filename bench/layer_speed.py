@@ -5,8 +5,8 @@
   python bench/layer_speed.py --device cuda --precision bf16
 
 Every configuration is built and warmed up first; then the configurations are timed in turn
-(A B C A B C ...), so a slow start, a busy neighbour or a clock change hits all of them alike,
-and the medians are compared. The whole measurement runs twice and both runs' ratios are
+(A B C, C B A, A B C, ...), so a slow start, a busy neighbour or a clock change hits all of them
+alike, and each ratio is the median over rounds of the ratio within a round. The whole measurement runs twice and both runs' ratios are
 printed with their largest disagreement (the ratios are trustworthy when that is below 5 %).
 
 (a) one MLP block, SmolLM2-sized (d=576, d_ff=1536, gated) and GPT-2-sized (768, 3072, GELU):
@@ -39,20 +39,29 @@ def sync(runtime: Runtime) -> None:
         torch.cuda.synchronize(runtime.device)
 
 
-def interleaved(steps: dict, reps: int, runtime: Runtime, warmup: int = 2) -> dict[str, float]:
-    """Median seconds per call of each step, timed A B C A B C ... after warming each up."""
+def interleaved(steps: dict, reps: int, runtime: Runtime, warmup: int = 2) -> dict[str, list[float]]:
+    """Seconds of each call of each step, timed in rounds A B C, C B A, A B C, ... after warming
+    each up: the order alternates so that a drift within a round hits no configuration more
+    than another, and round i of every configuration can be paired with round i of the others."""
     for step in steps.values():
         for _ in range(warmup):
             step()
     sync(runtime)
     times = {k: [] for k in steps}
-    for _ in range(reps):
-        for k, step in steps.items():
+    keys = list(steps)
+    for i in range(reps):
+        for k in keys if i % 2 == 0 else keys[::-1]:
             t0 = time.perf_counter()
-            step()
+            steps[k]()
             sync(runtime)
             times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return times
+
+
+def paired_ratio(times: list[float], base: list[float]) -> float:
+    """Median over rounds of (this configuration / the base) timed in the same round: a slow
+    stretch of the machine cancels in each round's ratio instead of shifting one median."""
+    return statistics.median(t / b for t, b in zip(times, base))
 
 
 def train_step(module: nn.Module, make_input, runtime: Runtime, loss=lambda out: out.float().square().mean()):
@@ -120,16 +129,17 @@ def model_steps(label: str, runtime: Runtime, batch: int, seq: int) -> dict:
     return steps
 
 
-def report(runs: list[dict[tuple, float]]) -> None:
+def report(runs: list[dict[tuple, list[float]]]) -> None:
     labels = dict.fromkeys(label for label, _ in runs[0])
     worst = 0.0
     for label in labels:
         base = [r[(label, "lora")] for r in runs]
-        print(f"\n{label}: one LoRA r=8, fwd+bwd+AdamW {base[0] * 1e3:.1f} / {base[1] * 1e3:.1f} ms (run 1 / 2)")
+        print(f"\n{label}: one LoRA r=8, fwd+bwd+AdamW {statistics.median(base[0]) * 1e3:.1f} / "
+              f"{statistics.median(base[1]) * 1e3:.1f} ms (run 1 / 2, medians)")
         for (lab, key) in runs[0]:
             if lab != label or key == "lora":
                 continue
-            ratios = [r[(lab, key)] / b for r, b in zip(runs, base)]
+            ratios = [paired_ratio(r[(lab, key)], b) for r, b in zip(runs, base)]
             worst = max(worst, abs(ratios[0] - ratios[1]) / ratios[0])
             print(f"    {key:12s} / LoRA: {ratios[0]:.3f}  {ratios[1]:.3f}")
     print(f"\nlargest disagreement between the two runs: {100 * worst:.1f} %")
@@ -140,7 +150,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="blocks only, fewer repeats")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--reps", type=int, default=0, help="timed calls per configuration (default 10 blocks, 4 models)")
+    ap.add_argument("--reps", type=int, default=0, help="timed calls per configuration (default 10 blocks, 8 models)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
     args = ap.parse_args()
@@ -152,7 +162,7 @@ def main():
     for label in () if args.quick else MODELS:  # one model at a time: its configurations in memory together
         models = model_steps(label, runtime, args.batch, args.seq)
         for run in runs:
-            run.update(interleaved(models, args.reps or 4, runtime, warmup=1))
+            run.update(interleaved(models, args.reps or 8, runtime, warmup=1))
         del models
     report(runs)
 
