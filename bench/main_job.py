@@ -26,6 +26,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def publish(lines: list[str], name: str) -> None:
+    """Print a report and write it to bench/results/<name>."""
+    text = "\n".join(lines)
+    print(text)
+    out = ROOT / "bench" / "results" / name
+    out.write_text(text)
+    print(f"wrote {out}")
+
+
 def checkout(commit: str, where: Path) -> Path:
     path = where / commit.replace("/", "_")
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(path), commit], check=True)
@@ -93,11 +102,7 @@ def main() -> None:
                for k in ("old", "new")), "",
              f"Speed-up old / new: **{old / new:.2f}x**. Printed tables identical: **{same}**.", "",
              "Old table:", "", tables["old"], "", "New table:", "", tables["new"], ""]
-    text = "\n".join(lines)
-    print(text)
-    out = ROOT / "bench" / "results" / "main-job.md"
-    out.write_text(text)
-    print(f"wrote {out}")
+    publish(lines, "main-job.md")
 
 
 if __name__ == "__main__":

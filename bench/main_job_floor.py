@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from main_job import publish  # noqa: E402
 PRODUCTS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
             torch.ops.aten.baddbmm.default}
 
@@ -114,11 +115,7 @@ def main() -> None:
                f"{' x '.join(str(list(s)) for s, _, _ in layouts)} | {count:,} | {seconds * 1e3:.2f} | "
                f"{f / seconds / 1e9:.0f} | {100 * total / floor:.1f} % |"
                for total, func, layouts, count, seconds, f in rows[:12]), ""]
-    text = "\n".join(lines)
-    print(text)
-    out = ROOT / "bench" / "results" / "main-job-floor.md"
-    out.write_text(text)
-    print(f"wrote {out}")
+    publish(lines, "main-job-floor.md")
 
 
 if __name__ == "__main__":
