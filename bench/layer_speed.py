@@ -6,8 +6,9 @@
 
 Every configuration is built and warmed up first; then the configurations are timed in turn
 (A B C, C B A, A B C, ...), so a slow start, a busy neighbour or a clock change hits all of them
-alike, and each ratio is the median over rounds of the ratio within a round. The whole measurement runs twice and both runs' ratios are
-printed with their largest disagreement (the ratios are trustworthy when that is below 5 %).
+alike, and each ratio is the median over rounds of the ratio within a round. The whole
+measurement runs twice and both runs' ratios are printed with their largest disagreement (the
+ratios are trustworthy when that is below 5 %).
 
 (a) one MLP block, SmolLM2-sized (d=576, d_ff=1536, gated) and GPT-2-sized (768, 3072, GELU):
     mixture (top-2, n = 2, 4, 8) / one LoRA: compiled (the fused form with its d_ff-sized slot
