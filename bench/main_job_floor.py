@@ -1,5 +1,6 @@
 """How fast the main job could be at best on this machine: every matrix product it performs (forward
-and backward, training, router steps and evaluation), each timed alone at its own shape, summed.
+and backward, training, router steps and evaluation), timed where it runs and alone at its own
+shape, summed.
 
     python bench/main_job_floor.py [key=value ...]     # the same overrides as `comix run`
 
@@ -30,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from main_job import publish  # noqa: E402
+
 PRODUCTS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
             torch.ops.aten.baddbmm.default}
 
@@ -90,7 +92,7 @@ def main() -> None:
         comix_main(["run", f"run_dir={run_dir}", *overrides])
     recorded_s = time.perf_counter() - t0
     rows, floor, total_flops = [], 0.0, 0
-    for (func, layouts), count in recorder.counts.most_common():
+    for (func, layouts), count in recorder.counts.items():
         seconds = time_product(func, layouts)
         f = flops(func, layouts)
         floor += count * seconds
@@ -98,8 +100,8 @@ def main() -> None:
         rows.append((count * seconds, func, layouts, count, seconds, f))
     rows.sort(key=lambda r: -r[0])
     threads = torch.get_num_threads()
-    lines = [f"# Lower bound of the main job: its matrix products alone (`python bench/main_job_floor.py "
-             f"{' '.join(overrides)}`)".replace(" `)", "`)"), "",
+    command = " ".join(["python bench/main_job_floor.py", *overrides])
+    lines = [f"# Lower bound of the main job: its matrix products alone (`{command}`)", "",
              f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, {threads} torch threads; torch {torch.__version__}; "
              f"{platform.platform()}. Each distinct product (op, shapes, strides, dtype) of one `comix run` was "
              "recorded, then timed alone (median of 15 after 3 warm-ups).", "",
@@ -111,7 +113,7 @@ def main() -> None:
              f"- (the recorded run itself, slowed by the recording: {recorded_s / 60:.2f} min; not a measurement)", "",
              "Largest contributions:", "", "| op | shapes | calls | ms each | GFLOP/s | share of floor |",
              "|---|---|---|---|---|---|",
-             *(f"| {func.__name__ if hasattr(func, '__name__') else func} | "
+             *(f"| {func.__name__} | "
                f"{' x '.join(str(list(s)) for s, _, _ in layouts)} | {count:,} | {seconds * 1e3:.2f} | "
                f"{f / seconds / 1e9:.0f} | {100 * total / floor:.1f} % |"
                for total, func, layouts, count, seconds, f in rows[:12]), ""]
