@@ -76,7 +76,8 @@ class RunConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     comigs: ComigsConfig = field(default_factory=ComigsConfig)
     pcl: object = field(default_factory=SECTIONS["pcl"])
-    fdlora: object = field(default_factory=SECTIONS["fdlora"])
+    fdlora: object = field(default_factory=SECTIONS["fdlora"])                    # fdlora-comigs
+    fdlora_fedamole: object = field(default_factory=SECTIONS["fdlora_fedamole"])  # fdlora-fedamole
     hetlora: object = field(default_factory=SECTIONS["hetlora"])
     flexlora: object = field(default_factory=SECTIONS["flexlora"])
     fedamole: object = field(default_factory=SECTIONS["fedamole"])
@@ -131,6 +132,8 @@ class RunConfig:
         if t.schedule not in ("cosine", "round_decay") or not 0 < t.lr_decay <= 1 or t.max_new_tokens < 1:
             raise ConfigError(f"train.schedule must be cosine or round_decay, train.lr_decay in (0, 1] and "
                               f"train.max_new_tokens >= 1, got {t.schedule!r}, {t.lr_decay}, {t.max_new_tokens}")
+        if t.optimizer_state not in ("run", "round"):
+            raise ConfigError(f"train.optimizer_state must be run or round, got {t.optimizer_state!r}")
         if t.load_balance not in ("none", "uniform", "generalist"):
             raise ConfigError(f"train.load_balance must be none, uniform or generalist, got {t.load_balance!r}")
         return self

@@ -108,15 +108,15 @@ def load_inputs(cfg: RunConfig):
 
 def server_context(cfg: RunConfig, out: Path, seed: int):
     """What a server process (Flower's ServerApp) gives the algorithm of ``cfg`` besides the
-    uploads: the base model and the server's own data, loaded only when the config gives the
-    server data (``data.public_frac``; DeepFusion); the in-process engine builds the same from
-    what the CLI loaded once."""
+    uploads: the run's seed and output folder, and the base model and the server's own data,
+    loaded only when the config gives the server data (``data.public_frac``; DeepFusion); the
+    in-process engine builds the same from what the CLI loaded once."""
     from .algorithms.base import ServerContext
     from .runtime import resolve
 
-    if not cfg.data.public_frac:
-        return None
     runtime = resolve(cfg.device, cfg.precision, cfg.compile)
+    if not cfg.data.public_frac:  # no model or data, but the run's seed (FedAMoLE's pool draws from it)
+        return ServerContext(None, None, runtime, out, seed)
     from .data import load_corpus
     from .data.splits import make_server_data
     from .models import load_base_model

@@ -39,7 +39,7 @@ def _list(spec: str) -> str:
 
 COMPARISONS = {
     "table1": ("Table 1: the main comparison",
-               ["pretrained", "centralized", "local", "fedavg", "pcl", "pfedmoe", "fdlora",
+               ["pretrained", "centralized", "local", "fedavg", "pcl", "pfedmoe", "fdlora-comigs",
                 "comigs-2s", "comigs-2g", "comigs-1g1s"]),
     "table5": ("Table 5: groups I (no routing) .. IV (CoMiGS)",
                ["pretrained", "centralized", "local", "fedavg", "ffa-lora", "fedsa-lora", "pcl",      # I
@@ -68,21 +68,25 @@ SKEW_METHODS = [*[f"comigs-1gxs:experts=[{n},{n},{n},{n}]" for n in (1, 2, 4, 8)
 
 
 # -- FedAMoLE (journal Sec. V): Tables I-III on instruction data ------------------------------------
-FEDAMOLE_TABLE1 = ["fedit", "fedit-ft", "fedprompt", "fedprompt-ft", "fedptuning", "fedptuning-ft", "fdlora",
+FEDAMOLE_TABLE1 = ["fedit", "fedit-ft", "fedprompt", "fedprompt-ft", "fedptuning", "fedptuning-ft", "fdlora-fedamole",
                    "fedamole"]
-FEDAMOLE_TABLE3 = ["fedamole", "fedamole-r", "fedmole", "fedamole-a", "fedamole-s", "fedamole-h"]
+# journal Table III's rows (FedIT, FedIT-FT, the three ablations, FedAMoLE) and the arXiv version's
+# FedMoLE and FedAMoLE-S
+FEDAMOLE_TABLE3 = ["fedit", "fedit-ft", "fedamole-vanilla-random", "fedamole-vanilla", "fedamole-random", "fedamole",
+                   "fedmole", "fedamole-s"]
 FEDAMOLE_SCALES = {
     # Sec. V-A-3/4: 10 clients, 30 rounds x 200 steps, batch 1, Adam 5e-5 decayed x0.99 per round,
     # bf16 backbone, Rouge-L on <= 128 greedy tokens, the paper's caps; a GPU job
     "paper": dict(precision="bf16", train=dict(rounds=30, local_steps=200, batch_size=1, lr=5e-5, schedule="round_decay",
-                                               lr_decay=0.99, weight_decay=0.0, betas=[0.9, 0.999], eval_every=1,
-                                               eval_splits=["valid", "test"], max_new_tokens=128),
+                                               lr_decay=0.99, weight_decay=0.0, betas=[0.9, 0.999], optimizer_state="round",
+                                               eval_every=1, eval_splits=["valid", "test"], max_new_tokens=128),
                   data=dict(max_len=1024)),
     # 2 CPU cores (~5 min a method and seed for SmolLM2-135M, 10 clients): 3 rounds x 6 steps of
     # batch 2 (examples cut at 192 tokens), lr 1e-3 (5e-5 barely moves the adapters in 18 steps),
     # 5 test examples per client, answers cut at 32 tokens, MTA every round
     "cpu": dict(train=dict(rounds=3, local_steps=6, batch_size=2, lr=1e-3, schedule="round_decay", lr_decay=0.99,
-                           weight_decay=0.0, betas=[0.9, 0.999], eval_every=1, eval_splits=["test"],
+                           weight_decay=0.0, betas=[0.9, 0.999], optimizer_state="round", eval_every=1,
+                           eval_splits=["test"],
                            max_new_tokens=32),
                 data=dict(max_len=192, valid_examples=20, test_examples=5)),
 }

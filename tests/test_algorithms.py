@@ -37,7 +37,7 @@ def _algo(name, n=3, experts=None, options=None, **train):
     opts = dict(options or {})
     if experts is not None and name.startswith("comigs"):
         opts["experts"] = experts
-    if "amole" in name or name == "fedmole":
+    if name.startswith("fedamole") or name == "fedmole":
         opts = {**FEDAMOLE_SMALL, **opts}
     return make_algorithm(name, LoRAConfig(r=4), _train(**train), n, **opts)
 
@@ -62,10 +62,14 @@ EXPECTED_SHARED = {
     "fedavg-moe": {"generalist", "specialist", "attention_lora"},
     "fedavg-moe-tr": {"generalist", "specialist", "attention_lora"},
     "fedavg": LORA, "fedit": {"attention_lora"}, "fedit-ft": {"attention_lora"}, "pcl": LORA, "hetlora": LORA, "flexlora": LORA, "ffa-lora": LORA, "fedsa-lora": LORA,
-    "fdlora": LORA,  # the global LoRA only: never the personal one or the fusion weights
+    "fdlora-comigs": LORA,  # the global LoRA only: never the personal one or the fusion weights
+    "fdlora-fedamole": {"attention_lora"},  # the shared adapter only: never the private (lagging) one
     # shared expert + token projection, the assigned domain experts and RSEA's embeddings
     "fedamole": {"amole_shared", "amole_router", "domain_expert", "embedding"},
     "fedamole-h": {"amole_shared", "amole_router", "domain_expert", "embedding"},
+    "fedamole-vanilla": {"amole_shared", "amole_router", "domain_expert", "embedding"},  # mean router logits
+    "fedamole-random": {"amole_shared", "amole_router", "domain_expert"},
+    "fedamole-vanilla-random": {"amole_shared", "amole_router", "domain_expert"},
     "fedamole-r": {"amole_shared", "amole_router", "domain_expert"},
     "fedmole": {"amole_shared", "amole_router", "domain_expert"},
     "fedamole-a": {"amole_shared", "amole_router", "domain_expert"},
@@ -148,7 +152,7 @@ def test_router_step_minimises_validation_loss_plus_load_balance(setup):
     assert any(not torch.allclose(routers[0][n], routers[1][n]) for n in routers[0])
 
 
-@pytest.mark.parametrize("method", ["comigs-1g1s", "local", "fdlora", "pfedmoe"])
+@pytest.mark.parametrize("method", ["comigs-1g1s", "local", "fdlora-comigs", "pfedmoe"])
 def test_expert_steps_sample_training_batches_only(setup, monkeypatch, method):
     """Validation data reaches only router steps (Alg. 1): every batch of a round without router
     updates comes from the training split."""
@@ -268,7 +272,7 @@ def test_comigs_upload_ratio_to_fedavg(setup, tmp_path):
     assert bytes_of["comigs-1g1s"] / bytes_of["fedavg"] == pytest.approx(expected, rel=1e-9)
 
 
-TWO_X = ("local", "fedavg", "ffa-lora", "fedsa-lora", "pcl", "fdlora", "hetlora", "flexlora")
+TWO_X = ("local", "fedavg", "ffa-lora", "fedsa-lora", "pcl", "fdlora-comigs", "hetlora", "flexlora")
 
 
 @pytest.mark.parametrize("spec", ["tiny-llama", "tiny-gpt2"])

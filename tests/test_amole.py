@@ -76,3 +76,17 @@ def test_load_balance_counts_top1_and_mean_probability():
     lb = amole_load_balance(Routing(top_i, top_w, probs), 3)
     f = torch.tensor([2, 1, 1]) / 4
     assert lb.item() == pytest.approx(3 * float((f * probs.mean(0)).sum()))
+
+
+def test_renormalize_makes_the_top_k_weights_sum_to_one_and_changes_the_output():
+    plain, renorm = _layer(True, top_k=2), _layer(True, top_k=2, renormalize=True)
+    renorm.load_state_dict(plain.state_dict())
+    for layer in (plain, renorm):
+        layer.assign([0, 1, 2, 3])
+    x = torch.randn(6, 24)
+    p, r = plain.route(x), renorm.route(x)
+    assert torch.equal(p.topk_index, r.topk_index)
+    assert torch.allclose(r.topk_weight.sum(-1), torch.ones(6), atol=1e-6)                   # renormalised ...
+    assert torch.allclose(r.topk_weight, p.topk_weight / p.topk_weight.sum(-1, keepdim=True))  # ... of the same picks
+    assert (p.topk_weight.sum(-1) < 0.999).all()  # without it they are the softmax's own, summing to less
+    assert not torch.allclose(plain(x), renorm(x))

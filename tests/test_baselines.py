@@ -144,7 +144,7 @@ def test_pcl_mixes_after_round_five_then_every_second_round(setup, tmp_path):
 
 # -- FDLoRA --------------------------------------------------------------------------------------
 def test_fdlora_outer_optimizer_is_sgd_with_momentum():
-    algo = _algo("fdlora", n=2)
+    algo = _algo("fdlora-comigs", n=2)
     theta = {"w": torch.zeros(2)}
     s, _ = algo.server_init({0: theta, 1: theta})
     s, p = algo.server_round(s, {0: {"w": torch.tensor([1., 1.])}, 1: {"w": torch.tensor([3., 1.])}})
@@ -155,7 +155,7 @@ def test_fdlora_outer_optimizer_is_sgd_with_momentum():
 
 def test_fdlora_fusion_lowers_the_validation_objective(setup):
     model, users = setup
-    algo = make_algorithm("fdlora", LoRAConfig(r=4), _train(local_steps=6), 3, budget=30)
+    algo = make_algorithm("fdlora-comigs", LoRAConfig(r=4), _train(local_steps=6), 3, budget=30)
     ctx, state = _client(algo, model, users, 0)
     state, _, _ = algo.client_round(ctx, state, {})
     # a harmful global LoRA (as if the federation were far from this user): fusion should shrink it
@@ -202,5 +202,80 @@ def test_fedavg_moe_keeps_routers_local_unless_asked():
 
 def test_client_states_keep_their_private_extras(setup, tmp_path):
     model, users = setup
-    states = _final_states(tmp_path, "fdlora", users, model)
+    states = _final_states(tmp_path, "fdlora-comigs", users, model)
     assert all(isinstance(s, ClientState) and len(s.extra["fusion"]) == 2 for s in states.values())
+
+
+# -- FDLoRA as FedAMoLE's baseline (fdlora-fedamole) -------------------------------------------------
+def test_fdlora_fedamole_outer_step_is_torch_s_nesterov_sgd_after_a_plain_first_mean():
+    algo = _algo("fdlora-fedamole", n=2)
+    gen = torch.Generator().manual_seed(0)
+    theta0 = {"w": torch.randn(3, 2, generator=gen)}
+    s, p = algo.server_init({0: theta0, 1: theta0})
+    ups = [{c: {"w": torch.randn(3, 2, generator=gen)} for c in range(2)} for _ in range(4)]
+    s, p = algo.server_round(s, ups[0])
+    assert torch.allclose(p[0]["w"], (ups[0][0]["w"] + ups[0][1]["w"]) / 2)  # the first aggregation: a mean
+    ref = torch.nn.Parameter(p[0]["w"].clone())
+    sgd = torch.optim.SGD([ref], lr=1.0, momentum=0.5, nesterov=True)
+    for up in ups[1:]:
+        s, p = algo.server_round(s, up)
+        ref.grad = ref.detach() - (up[0]["w"] + up[1]["w"]) / 2  # pseudo-gradient theta - mean
+        sgd.step()
+        assert torch.allclose(p[1]["w"], ref.detach(), atol=1e-6)
+
+
+def test_fdlora_fedamole_private_adapter_lags_syncs_every_5_rounds_and_never_leaves(setup):
+    model, users = setup
+    algo = make_algorithm("fdlora-fedamole", LoRAConfig(r=4), _train(local_steps=1, rounds=7), 3)
+    ctx, state = _client(algo, model, users, 0)
+    assert all(param_role(n) == "attention_lora" for n in state.adapters)
+    synced = {}
+    for rnd in range(1, 8):
+        state, upload, _ = algo.client_round(ctx, state, {})
+        assert set(upload) == set(state.adapters)  # the shared adapter only
+        assert all(upload[n] is not state.extra["private"][n] for n in upload)
+        if rnd in (1, 6):  # the authors' cur_round = rnd - 1 = 0, 5
+            assert all(torch.equal(state.extra["private"][n], t) for n, t in state.adapters.items())
+            synced = {n: t.clone() for n, t in state.extra["private"].items()}
+        else:
+            assert all(torch.equal(state.extra["private"][n], synced[n]) for n in synced)
+            assert any(not torch.equal(state.adapters[n], synced[n]) for n in synced)
+
+
+def test_fdlora_fedamole_fuses_every_round_on_held_out_data_and_scores_the_fusion(setup, monkeypatch):
+    from comix.algorithms import fdlora_fedamole as module
+    model, users = setup
+    algo = make_algorithm("fdlora-fedamole", LoRAConfig(r=4), _train(local_steps=2), 3)
+    ctx, state = _client(algo, model, users, 0)
+    state, up, _ = algo.client_round(ctx, state, {})
+    payload = {n: t + 0.3 * torch.randn_like(t) for n, t in up.items()}  # the next shared adapter
+    seen, calls = [], []
+    real_sample, real_fuse = module.sample_batch, module.fuse_adapters
+    monkeypatch.setattr(module, "sample_batch", lambda t, *a: seen.append(t) or real_sample(t, *a))
+    monkeypatch.setattr(module, "fuse_adapters", lambda w, s, p: calls.append(list(w)) or real_fuse(w, s, p))
+    scored = algo.personal_adapters(ctx, state, payload)
+    train, aux = algo.split(users[0].train)
+    assert len(seen) == algo.fusion_batches and all(t.data_ptr() == aux.data_ptr() for t in seen)
+    # NGOpt from (0, 0) with budget 5, then the fusion it found builds the scored model:
+    # w_s * shared + w_p * private, A and B alike, w in [-1.5, 1.5]
+    assert len(calls) == algo.budget + 1 and calls[0] == [0.0, 0.0]
+    w, private = calls[-1], state.extra["private"]
+    assert all(abs(v) <= 1.5 for v in w)
+    assert all(torch.allclose(scored[n], w[0] * payload[n] + w[1] * private[n]) for n in scored)
+    assert all(torch.equal(state.adapters[n], up[n]) for n in up)  # training goes on from the shared one
+    final = algo.client_finish(ctx, state, payload)
+    assert final.extra["fused"] and algo.personal_adapters(ctx, final, {}) is final.adapters
+
+
+def test_fdlora_fedamole_trains_with_adamw_decay_on_the_training_part_only(setup, monkeypatch):
+    from comix.algorithms import fdlora_fedamole as module
+    model, users = setup
+    algo = make_algorithm("fdlora-fedamole", LoRAConfig(r=4), _train(weight_decay=0.0), 3)
+    assert algo.train.weight_decay == 0.01  # the authors' AdamW default for FDLoRA
+    ctx, state = _client(algo, model, users, 1)
+    seen = []
+    real = module.sample_batch
+    monkeypatch.setattr(module, "sample_batch", lambda t, *a: seen.append(t) or real(t, *a))
+    algo.client_round(ctx, state, {})
+    train, _ = algo.split(users[1].train)
+    assert seen and all(t.data_ptr() == train.data_ptr() and len(t) == len(train) for t in seen)

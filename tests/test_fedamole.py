@@ -1,6 +1,7 @@
 """FedAMoLE (issue D) on the algorithm contract: aggregation by expert id, assignments within
 Definition IV.1's constraints, the embedding set kept out of training, exact embeddings."""
 import json
+import math
 
 import pytest
 import torch
@@ -98,15 +99,15 @@ def test_uploaded_embeddings_are_the_means_of_eq_23_and_25(setup):
     state, upload, _ = algo.client_round(ctx, state, payloads[0])
     algo.load_state(ctx.model, state.adapters)
     module = dict(ctx.model.named_modules())[M]
-    captured = {}
-    handle = module.register_forward_hook(lambda m, args, out: captured.setdefault("h", args[0].reshape(-1, 32)))
+    captured = []
+    handle = module.register_forward_hook(lambda m, args, out: captured.append(args[0].reshape(-1, 32)))
     _, aux = algo.split(users[0].train)
     L = algo.train.seq_len
-    n = min(algo.embed_windows, (len(aux) - 1) // L)
+    n = min(algo.embed_examples, (len(aux) - 1) // L)
     with torch.no_grad():
         ctx.model(input_ids=aux[:n * L].long().reshape(n, L))
     handle.remove()
-    h = captured["h"]
+    h = torch.cat(captured)
     assert torch.allclose(upload[f"rsea.{M}.token"], (h @ module.token_proj.t()).mean(0), atol=1e-5)
     gid = module.slot_ids[0].item()
     assert torch.allclose(upload[f"rsea.{M}.expert.{gid}"], (h @ module.expert_A[0].t()).mean(0), atol=1e-5)
@@ -134,3 +135,155 @@ def test_fedit_is_lora_on_q_and_v_with_peft_scaling(setup):
     assert adapted == {"q_proj", "v_proj"}
     lora = next(mod for mod in m.modules() if isinstance(mod, LoRALinear))
     assert lora.scaling == algo.lora.alpha / algo.lora.r and lora.dropout.p == 0.05
+
+
+# -- issue I: which model is scored, optimiser state, RSEA's inputs --------------------------------
+def test_the_scored_adapters_are_the_client_s_post_training_adapters(setup):
+    """The authors' main.py tests each client after train_experts and before aggregate."""
+    algo, clients, server, payloads = _start(setup)
+    uploads, trained = {}, {}
+    for c, (ctx, state) in enumerate(clients):
+        state, uploads[c], _ = algo.client_round(ctx, state, payloads[c])
+        trained[c] = {n: t.clone() for n, t in state.adapters.items()}
+    server, nxt = algo.server_round(server, uploads)
+    for c, (ctx, state) in enumerate(clients):
+        scored = algo.personal_adapters(ctx, state, nxt[c])
+        assert scored.keys() == trained[c].keys()
+        assert all(torch.equal(scored[n], trained[c][n]) for n in scored)
+        aggregated = algo.apply_payload(type(state)(adapters=dict(state.adapters)), nxt[c]).adapters
+        assert any(n not in scored or not torch.equal(aggregated[n], scored[n]) for n in aggregated)
+        assert algo.client_finish(ctx, state, nxt[c]).adapters is state.adapters  # keeps its own model
+
+
+def test_an_expert_moved_to_another_slot_never_trains_with_another_expert_s_moments(setup):
+    """A fresh Adam every round (node.py): after reassignment, the first step of every expert is
+    Adam's first step, |delta| = lr wherever the gradient is not ~0 (no inherited moments)."""
+    model, users = setup
+    algo = _algo("fedamole", options=dict(assignment="random"), local_steps=1, weight_decay=0.0, lr=1e-3,
+                 schedule="round_decay", lr_decay=1.0,
+                 optimizer_state="run")
+    assert algo.train.optimizer_state == "round"  # FedAMoLE always, whatever the config says
+    clients = [_client(algo, model, users, c) for c in range(3)]
+    server, payloads = algo.server_init({c: algo.upload_of(s.adapters) for c, (_, s) in enumerate(clients)})
+    for _ in range(2):  # two rounds: the second starts from a new random assignment
+        uploads = {}
+        for c, (ctx, state) in enumerate(clients):
+            before = {n: t.clone() for n, t in payloads[c].items()}
+            state, uploads[c], _ = algo.client_round(ctx, state, payloads[c])
+            assert state.optimizers == {}  # nothing carried to the next round
+            for n, t in before.items():
+                if param_role(n) != "domain_expert" or not n.endswith("lora_B"):
+                    continue
+                step = (state.adapters[n] - t).abs()
+                moved = step[step > 1e-7]  # the experts the batch routed to
+                at_lr = ((moved - 1e-3).abs() < 2e-5).float().mean() if moved.numel() else 0
+                assert at_lr > 0.9, (n, at_lr)
+        server, payloads = algo.server_round(server, uploads)
+
+
+def test_optimizer_state_run_keeps_a_client_s_moments_and_round_drops_them(setup):
+    model, users = setup
+    for mode, kept in (("run", True), ("round", False)):
+        algo = _algo("fedit", optimizer_state=mode)
+        ctx, state = _client(algo, model, users, 0)
+        state, up, _ = algo.client_round(ctx, state, {})
+        assert ("experts" in state.optimizers) == kept
+        state, _, _ = algo.client_round(ctx, state, up)
+        if kept:
+            assert all(s["step"] == 2 * algo.train.local_steps for s in state.optimizers["experts"]["state"].values())
+
+
+def _planted_uploads(algo, clients, payloads, server):
+    """Real uploads whose embeddings are replaced: client c's token embedding is 10 e_c, expert
+    j's embedding 10 (e_{j mod 3} + e_{j+1 mod 3}), so expert j prefers clients j and j + 1."""
+    uploads = {}
+    for c, (ctx, state) in enumerate(clients):
+        _, uploads[c], _ = algo.client_round(ctx, state, payloads[c])
+    eye = torch.eye(algo.cfg.r)
+    for c, up in uploads.items():
+        for n in list(up):
+            if n.startswith("rsea.") and n.endswith(".token"):
+                up[n] = 10 * eye[c]
+            elif n.startswith("rsea.") and ".expert." in n:
+                j = int(n.rsplit(".", 1)[1])
+                up[n] = 10 * (eye[j % 3] + eye[(j + 1) % 3])
+    planted = torch.zeros(3, algo.cfg.pool, dtype=torch.bool)
+    for j in range(algo.cfg.pool):
+        planted[j % 3, j] = planted[(j + 1) % 3, j] = True
+    return uploads, planted
+
+
+@pytest.mark.parametrize("scale", ["d", "r"])
+def test_the_uploaded_embeddings_decide_the_assignment_at_the_layer_s_score_scale(setup, scale):
+    algo, clients, server, payloads = _start(setup, options=dict(score_scale=scale))
+    uploads, planted = _planted_uploads(algo, clients, payloads, server)
+    server, _ = algo.server_round(server, uploads)
+    for m, d in server["assignment"].items():
+        assert torch.equal(d, planted), m  # every expert went to the two clients it was planted on
+    rel = server["report"]["relevance"]
+    d_scale = 32 if scale == "d" else algo.cfg.r  # tiny-llama hidden size / LoRA rank
+    assert rel["s"][0][0] == pytest.approx(100 / math.sqrt(d_scale))  # client 0 . expert 0 = 10 * 10
+    assert rel["p"][0][0] == pytest.approx(float(torch.softmax(torch.tensor([100., 0, 100]) / math.sqrt(d_scale), 0)[0]))
+
+
+def test_vanilla_router_with_rsea_re_solves_every_round_from_the_uploaded_router_logits(setup):
+    algo, clients, server, payloads = _start(setup, method="fedamole-vanilla")
+    assert algo.cfg.router == "vanilla" and algo.assignment == "rsea"
+    for rnd in range(2):
+        uploads = {}
+        for c, (ctx, state) in enumerate(clients):
+            _, uploads[c], _ = algo.client_round(ctx, state, payloads[c])
+            logits = [n for n in uploads[c] if n.startswith("rsea.")]
+            assert logits and all(n.endswith(".router") and uploads[c][n].shape == (algo.cfg.pool,) for n in logits)
+        want = torch.zeros(3, algo.cfg.pool, dtype=torch.bool)
+        for j in range(algo.cfg.pool):  # this round expert j prefers clients j + rnd and j + rnd + 1
+            want[(j + rnd) % 3, j] = want[(j + rnd + 1) % 3, j] = True
+        for c, up in uploads.items():
+            for n in [n for n in up if n.startswith("rsea.")]:
+                up[n] = 20.0 * want[c].double().float()
+        server, payloads = algo.server_round(server, uploads)
+        assert all(torch.equal(d, want) for d in server["assignment"].values())
+
+
+def test_pool_and_first_assignment_follow_the_run_s_seed(setup):
+    from comix.algorithms.base import ServerContext
+    model, users = setup
+
+    def first(seed):
+        algo = _algo("fedamole")
+        algo.server = ServerContext(base=None, seed=seed)
+        clients = [_client(algo, model, users, c) for c in range(3)]
+        server, _ = algo.server_init({c: algo.upload_of(s.adapters) for c, (_, s) in enumerate(clients)})
+        return server["pool"][expert_name(M, 0, "A")], server["assignment"][M]
+    (a1, d1), (a1b, d1b), (a2, d2) = first(1), first(1), first(2)
+    assert torch.equal(a1, a1b) and torch.equal(d1, d1b)
+    assert not torch.equal(a1, a2)
+
+
+def test_the_load_balance_term_is_in_the_optimised_loss(setup):
+    """beta * sum over modules of eq. 19 enters the gradient: with a large beta the router
+    (token projection) moves differently after one step."""
+    model, users = setup
+    moved = []
+    for beta in (0.0, 10.0):
+        algo = _algo("fedamole", options=dict(beta=beta, assignment="fixed"), local_steps=1)
+        ctx, state = _client(algo, model, users, 0)
+        server, payloads = algo.server_init({c: algo.upload_of(_client(algo, model, users, c)[1].adapters)
+                                             for c in range(3)})
+        state, _, _ = algo.client_round(ctx, state, payloads[0])
+        moved.append(state.adapters[f"{M}.token_proj"])
+        reg = algo.regularizer(ctx, state)
+        from comix.models.amole import amole_load_balance
+        terms = [amole_load_balance(m.last_routing, m.n_active) for m in fedamole_module.amole_modules(ctx.model).values()]
+        assert reg.item() == pytest.approx(beta * torch.stack(terms).sum().item(), rel=1e-5)
+    assert not torch.allclose(moved[0], moved[1])
+
+
+def test_the_token_projection_leaves_the_device_and_is_averaged(setup):
+    algo, clients, server, payloads = _start(setup, options=dict(assignment="fixed"))
+    uploads = {c: algo.client_round(ctx, state, payloads[c])[1] for c, (ctx, state) in enumerate(clients)}
+    name = f"{M}.token_proj"
+    assert all(name in up for up in uploads.values())
+    server, nxt = algo.server_round(server, uploads)
+    mean = torch.stack([up[name] for up in uploads.values()]).mean(0)
+    assert all(torch.allclose(p[name], mean) for p in nxt.values())

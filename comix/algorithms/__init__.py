@@ -1,7 +1,7 @@
 """One module per method; ``make_algorithm(name, lora, train, n_clients, **options)`` builds one.
 
-``options`` are the method's config section (``comigs``, ``pcl``, ``fdlora``, ``hetlora``,
-``flexlora``); a variant's fixed settings (e.g. CoMiGS-2S: two experts, no generalist) win over
+``options`` are the method's config section (``comigs``, ``pcl``, ``fdlora`` (fdlora-comigs),
+``fdlora_fedamole``, ``hetlora``, ``flexlora``, ...); a variant's fixed settings (e.g. CoMiGS-2S: two experts, no generalist) win over
 them, except that ``comigs-1gxs`` takes its per-user expert counts from ``comigs.experts``.
 """
 from __future__ import annotations
@@ -14,6 +14,7 @@ from .centralized import Centralized
 from .comigs import CoMiGS
 from .deepfusion import OFAKD, CentralMoE, DeepFusion, FedKMT
 from .fdlora import FDLoRA
+from .fdlora_fedamole import FDLoRAFedAMoLE
 from .fedamole import FedAMoLE
 from .fedavg import FedAvg, FedIT, FedITFT
 from .fedjets import FedJETS
@@ -36,14 +37,17 @@ COMIGS_VARIANTS = {
     "comigs-1g1s-tr": dict(experts=2, generalists=1, router_update="train"),
     "comigs-tr": dict(experts=2, generalists=1, router_update="train"),  # Table 5's name
 }
-FEDAMOLE_VARIANTS = {  # Table III's ablations (journal; names from the arXiv version)
-    "fedamole-r": dict(assignment="random"),
-    "fedmole": dict(assignment="fixed"),
-    "fedamole-a": dict(router="vanilla", assignment="random"),
-    "fedamole-s": dict(shared=False),
-    "fedamole-h": dict(homogeneous=True),
+FEDAMOLE_VARIANTS = {  # Table III's ablations: the journal's names, then the arXiv version's (Table 3)
+    "fedamole-random": dict(assignment="random"),                          # "FedAMoLE (random)"
+    "fedamole-vanilla": dict(router="vanilla"),                            # "FedAMoLE (vanilla router)"
+    "fedamole-vanilla-random": dict(router="vanilla", assignment="random"),  # "(vanilla router, random)"
+    "fedamole-r": dict(assignment="random"),                               # arXiv: = FedAMoLE (random)
+    "fedamole-a": dict(router="vanilla", assignment="random"),             # arXiv: = (vanilla router, random)
+    "fedmole": dict(assignment="fixed"),                                   # arXiv: round 1's assignment kept
+    "fedamole-s": dict(shared=False),                                      # arXiv: no shared expert
+    "fedamole-h": dict(homogeneous=True),  # in neither table: the authors' --homo_arch (optimize.py)
 }
-CLASSES = (Pretrained, Local, FedAvg, Centralized, FFALoRA, FedSALoRA, PCL, FDLoRA, HetLoRA, FlexLoRA,
+CLASSES = (Pretrained, Local, FedAvg, Centralized, FFALoRA, FedSALoRA, PCL, FDLoRA, FDLoRAFedAMoLE, HetLoRA, FlexLoRA,
            PFedMoE, LocalMoE, FedAvgMoE, LocalMoETr, FedAvgMoETr, FedAMoLE, FedIT, FedITFT, FedPrompt,
            FedPromptFT, FedPTuning, FedPTuningFT, DeepFusion, FedKMT, OFAKD,
            CentralMoE, FedJETS)

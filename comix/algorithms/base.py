@@ -49,9 +49,16 @@ class TrainConfig:
       tau 30, router_steps 10 .......... paper App. B.1 (update period and steps of Alg. 1).
       lb_weight 0.01, uniform .......... paper Sec. 3.3 / App. B.1 ("always applied").
       10 local steps, 20 rounds, 64x128  paper App. B.1.
+      optimizer_state "run" ............ authors: one AdamW per client for the whole run, its
+                                        moments carried from round to round (clients.py builds
+                                        the optimizers once in Client.__init__).
     FedAMoLE's recipes (configs/fedamole/) set the journal's Sec. V-A-4 instead: Adam (AdamW with
     weight_decay 0, betas (0.9, 0.999): torch's Adam defaults) at 5e-5, ``schedule: round_decay``
-    (lr x ``lr_decay`` = 0.99 per round, the reference's ``--lr_decay``), batch 1, 200 steps.
+    (lr x ``lr_decay`` = 0.99 per round, the reference's ``--lr_decay``), batch 1, 200 steps, and
+    ``optimizer_state: round``: the FedAMoLE authors build a fresh Adam every round, for FedAMoLE
+    (node.py, Client.train_experts) and every baseline (baselines/trainer.py, init_optimizer in
+    each round's fed_avg), so moments and Adam's bias correction restart each round. FedAMoLE
+    itself always runs so (algorithms/fedamole.py: its moments would belong to slots, not experts).
     At n = 2 experts with top-2 routing every expert is always selected (f_j = 1), so the
     load-balance loss n * sum_j f_j P_j = 2 is a constant with zero gradient: it changes
     nothing for 1G1S / 2G / 2S / pFedMoE (and Table 6's n = 2 rows are equal by construction).
@@ -67,6 +74,7 @@ class TrainConfig:
     warmup_frac: float = 0.0        # share of the schedule spent in linear warm-up (authors: none)
     weight_decay: float = 0.01
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    optimizer_state: str = "run"    # run (moments kept across rounds: CoMiGS) | round (fresh each round: FedAMoLE)
     grad_clip: float = 0.0          # max gradient norm; 0 = no clipping
     router_lr: float = 2e-3         # constant (App. B.1)
     tau: int = 30                   # router update period, in expert iterations
@@ -85,7 +93,7 @@ class TrainConfig:
 class ClientState:
     """Everything that stays on a device between rounds."""
     adapters: Tensors                      # all of this client's adapter tensors
-    optimizers: dict[str, Any] = field(default_factory=dict)  # name -> optimizer.state_dict()
+    optimizers: dict[str, Any] = field(default_factory=dict)  # name -> optimizer.state_dict() (optimizer_state=run)
     rng: torch.Tensor | None = None        # batch-sampling generator state
     step: int = 0                          # expert iterations done so far (t in Alg. 1)
     extra: dict = field(default_factory=dict)  # method-specific private state (ranks, trust, ...)
@@ -110,7 +118,7 @@ class ServerContext:
     data (``data.splits.ServerData``: public and test streams; None unless the config asks for
     it), the runtime, the method's output folder and the seed. Most methods ignore it; DeepFusion
     distils into copies of the base on the public data and scores its global model on the test."""
-    base: nn.Module
+    base: nn.Module | None
     data: Any = None
     runtime: Runtime = field(default_factory=Runtime)
     out_dir: Any = None
@@ -123,6 +131,19 @@ def batch_generator(state: ClientState) -> torch.Generator:
     if state.rng is not None:
         gen.set_state(state.rng)
     return gen
+
+
+def held_out(data, frac: float, seq_len: int, cap: int | None = None):
+    """(training part, held-out part) of a client's training split: the last ``frac`` of its
+    instruction examples (at most ``cap`` of them) or of its tokens (at least one window). The
+    FedAMoLE authors carve this "aux" set off each client's training data (``--ratio_train_to_aux
+    0.95,0.05``, capped at 200 examples in data/data_loader.py): FedAMoLE embeds it (Sec. IV-D),
+    their FDLoRA fuses on it; neither trains on it."""
+    if hasattr(data, "subset"):
+        cut = len(data) - max(1, int(frac * len(data)))
+        return data.subset(0, cut), data.subset(cut, None if cap is None else cut + cap)
+    cut = len(data) - max(seq_len + 1, int(frac * len(data)))
+    return data[:cut], data[cut:]
 
 
 def tensor_bytes(tensors: Tensors) -> int:
@@ -315,7 +336,7 @@ class Algorithm:
             losses.append(loss.detach())
             state.step += 1
             self.after_expert_step(ctx, state, gen)
-        state.optimizers["experts"] = to_cpu(opt.state_dict())
+        keep_optimizer(state, "experts", opt, self.train)
         return torch.stack(losses).tolist()  # one device sync per round, not one per step
 
     def after_expert_step(self, ctx: ClientContext, state: ClientState, gen: torch.Generator) -> None:
@@ -352,13 +373,23 @@ def router_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 
 def make_optimizer(params, state: ClientState, key: str, train: TrainConfig, lr: float | None = None):
-    """AdamW with the run's betas and weight decay (TrainConfig lists the sources), loaded with
-    this client's own moments for ``key`` ("experts", "router", ...)."""
+    """AdamW with the run's betas and weight decay (TrainConfig lists the sources); with
+    ``optimizer_state="run"`` loaded with this client's own moments for ``key`` ("experts",
+    "router", ...), with ``"round"`` fresh (moments and bias correction start again)."""
     opt = torch.optim.AdamW([p for _, p in params], lr=train.lr if lr is None else lr,
                             betas=tuple(train.betas), weight_decay=train.weight_decay)
-    if key in state.optimizers:  # this client's own moments, never another client's
+    if train.optimizer_state == "run" and key in state.optimizers:  # this client's own moments only
         opt.load_state_dict(state.optimizers[key])
     return opt
+
+
+def keep_optimizer(state: ClientState, key: str, opt: torch.optim.Optimizer, train: TrainConfig) -> None:
+    """Store ``opt``'s moments in the client's state for the next round (``optimizer_state="run"``);
+    with ``"round"`` nothing is kept, so no moment can outlive the round that made it."""
+    if train.optimizer_state == "run":
+        state.optimizers[key] = to_cpu(opt.state_dict())
+    else:
+        state.optimizers.pop(key, None)
 
 
 def step_on(loss: torch.Tensor, params: list[nn.Parameter], opt: torch.optim.Optimizer, clip: float,

@@ -20,8 +20,7 @@ import re
 
 from ..data import sample_batch
 from ..models import AdapterConfig, LoRAConfig
-from ..runtime import to_cpu
-from .base import (Algorithm, ClientContext, ClientState, TrainConfig, lm_loss, make_optimizer,
+from .base import (Algorithm, ClientContext, ClientState, TrainConfig, keep_optimizer, lm_loss, make_optimizer,
                    model_load_balance, router_params, step_on)
 
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
@@ -77,4 +76,4 @@ class CoMiGS(Algorithm):
             loss = lm_loss(ctx.model, x, y) + self.train.lb_weight * model_load_balance(
                 ctx.model, self.train.load_balance)
             step_on(loss, params, opt, self.train.grad_clip, scaler)
-        state.optimizers["router"] = to_cpu(opt.state_dict())
+        keep_optimizer(state, "router", opt, self.train)

@@ -1,5 +1,7 @@
-"""FDLoRA (Qi et al. 2024): a *global* and a *personal* LoRA on every adapted linear layer, and
-client-wise fusion weights learned at the end (CoMiGS Sec. 4.2).
+"""FDLoRA (Qi et al. 2024) as CoMiGS's baseline (``fdlora-comigs``): a *global* and a *personal*
+LoRA on every adapted linear layer, and client-wise fusion weights learned at the end (CoMiGS
+Sec. 4.2), parameter-matched to CoMiGS-1G1S. FedAMoLE's baseline is ``fdlora-fedamole``
+(fdlora_fedamole.py: LoRA on q and v, lagging private adapter, fusion every round).
 
   * Local steps alternate between the two adapters (even steps: the global LoRA alone, odd
     steps: the personal LoRA alone, each with its own AdamW state), so each learns a model of
@@ -25,9 +27,8 @@ import torch
 from ..data import sample_batch
 from ..models import AdapterConfig, LoRAConfig, param_role
 from ..models.lora import LoRALinear
-from ..runtime import to_cpu
-from .base import (Algorithm, ClientContext, ClientState, Tensors, adapter_tensors, average, load_adapters,
-                   lm_loss, make_optimizer, expert_lr, step_on)
+from .base import (Algorithm, ClientContext, ClientState, Tensors, adapter_tensors, average, keep_optimizer,
+                   load_adapters, lm_loss, make_optimizer, expert_lr, step_on)
 
 START = (0.5, 0.5)
 
@@ -40,7 +41,7 @@ def set_fusion(model, weights) -> None:
 
 
 class FDLoRA(Algorithm):
-    name = "fdlora"
+    name = "fdlora-comigs"
     section = "fdlora"
     lora_modules = 1
 
@@ -92,7 +93,8 @@ class FDLoRA(Algorithm):
             losses.append(loss.item())
             state.step += 1
         set_fusion(ctx.model, state.extra.get("fusion", START))
-        state.optimizers.update({k: to_cpu(o.state_dict()) for k, o in opts.items()})
+        for k, o in opts.items():
+            keep_optimizer(state, k, o, self.train)
         return losses
 
     def fuse(self, ctx: ClientContext, state: ClientState) -> tuple[float, float]:

@@ -13,20 +13,36 @@ Server: shared expert and token projection averaged over every uploader, each do
 over the clients that trained it (eq. 22; an expert nobody trained keeps its value); expert
 embeddings averaged over their holders (eq. 24); then per module relevance, softmax over
 clients and the MILP of Definition IV.1 (``rsea.py``) give each client its experts for the next
-round. Round 1 is a random assignment. ``assignment``: ``rsea`` (FedAMoLE), ``random`` (a new
-random assignment every round: FedAMoLE-R), ``fixed`` (round 1's random assignment kept:
-FedMoLE); ``router="vanilla"`` with random assignment is FedAMoLE-A (a vanilla router has no
-token projection, so no relevance to assign by: the journal's "vanilla router, random"),
-``shared=False`` FedAMoLE-S (models/amole.py), ``homogeneous=True`` FedAMoLE-H (every client
-E * k_c / N experts per module).
+round. Round 1 is a random assignment drawn from the run's seed.
+
+Which model is scored, and when: each client's model after its local training, before the
+server aggregates (the authors' main.py: train_experts, then eval and test, then aggregate),
+so ``evaluate_local``; MTAL is the last round's (journal eq. 29). The optimiser is a fresh Adam
+every round (node.py Client.train_experts builds it inside the round): here always, whatever
+``train.optimizer_state`` says, because the moments of a slot would otherwise pass to whichever
+expert the next round puts there.
+
+Variants (journal Table III names; arXiv Table 3 names as aliases, algorithms/__init__.py):
+``assignment``: ``rsea`` (FedAMoLE), ``random`` (a new random assignment every round:
+"FedAMoLE (random)" = FedAMoLE-R), ``fixed`` (round 1's random assignment kept: FedMoLE);
+``router="vanilla"``: "FedAMoLE (vanilla router)" with RSEA, "(vanilla router, random)" =
+FedAMoLE-A with random assignment; ``shared=False`` FedAMoLE-S (models/amole.py);
+``homogeneous=True`` FedAMoLE-H (every client E * k_c / N experts per module; in neither
+paper's tables: the authors' ``--homo_arch``, optimize.py). A vanilla router has no token or
+expert embeddings, and the papers do not say what RSEA scores with it; here a client uploads
+its mean router logits over the embedding set (E numbers per module, the vanilla counterpart
+of eq. 26's mean token-expert score) and s_ij is client i's mean logit of expert j.
 
 Where the paper is silent, the reference code (zyc140345/FedAMoLE) decides: LoRA scaling
-alpha / r (PEFT), the embedding set drawn from the training data. ``embed_noise`` adds Gaussian
-noise of that standard deviation to the uploaded embeddings (the privacy knob the reference
+alpha / r (PEFT), the embedding set held out of the training data (5 %, at most 200 examples:
+data/data_loader.py), the relevance divided by the layer's own score scale (node.py
+dispatch_experts divides by sqrt(r), as its layer does). ``embed_noise`` adds Gaussian noise
+of that standard deviation to the uploaded embeddings (the privacy knob the reference
 exposes); off by default.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 
@@ -37,8 +53,8 @@ from ..data import sample_batch
 from ..models import AdapterConfig, mixtures
 from ..models.amole import AMoLEConfig, AMoLELinear, amole_load_balance
 from ..runtime import to_cpu
-from .base import Algorithm, ClientContext, ClientState, Tensors, adapter_tensors, average
-from .rsea import assign, check_feasible, random_assignment
+from .base import Algorithm, ClientContext, ClientState, Tensors, adapter_tensors, average, held_out
+from .rsea import assign, assign_by_relevance, check_feasible, random_assignment
 
 _EXPERT = re.compile(r"^(?P<module>.+)\.experts\.(?P<id>\d+)\.lora_(?P<ab>[AB])$")
 
@@ -54,20 +70,21 @@ def amole_modules(model: nn.Module) -> dict[str, AMoLELinear]:
 class FedAMoLE(Algorithm):
     name = "fedamole"
     section = "fedamole"
+    evaluate_local = True  # scored after local training, before aggregation (main.py)
 
     def __init__(self, lora, train, n_clients, targets: list[str] | None = None, pool: int = 30, slots: int = 8,
                  top_k: int = 2, k_c: int = 2, shared: bool = True, router: str = "amole", score_scale: str = "d",
                  renormalize: bool = False, dropout: float = 0.05, beta: float = 1e-3, assignment: str = "rsea",
-                 solver: str = "scip", embed_frac: float = 0.05, embed_windows: int = 8, embed_noise: float = 0.0,
+                 solver: str = "scip", embed_frac: float = 0.05, embed_examples: int = 200, embed_noise: float = 0.0,
                  homogeneous: bool = False):
-        super().__init__(lora, train, n_clients)
+        super().__init__(lora, dataclasses.replace(train, optimizer_state="round"), n_clients)
         self.cfg = AMoLEConfig(targets=list(targets or ["q_proj", "v_proj"]), r=lora.r, alpha=lora.alpha,
                                dropout=dropout, pool=pool, slots=slots, top_k=top_k, shared=shared, router=router,
                                score_scale=score_scale, renormalize=renormalize)
         if assignment not in ("rsea", "random", "fixed"):
             raise ValueError(f"fedamole.assignment must be rsea, random or fixed, got {assignment!r}")
-        if not 0 < embed_frac < 1 or embed_windows < 1 or embed_noise < 0:
-            raise ValueError("fedamole: embed_frac in (0, 1), embed_windows >= 1, embed_noise >= 0")
+        if not 0 < embed_frac < 1 or embed_examples < 1 or embed_noise < 0:
+            raise ValueError("fedamole: embed_frac in (0, 1), embed_examples >= 1, embed_noise >= 0")
         # FedAMoLE-H: every client the same number of experts, E * k_c / N
         per = pool * k_c // n_clients
         if homogeneous and (pool * k_c % n_clients or not top_k <= per <= slots):
@@ -76,7 +93,9 @@ class FedAMoLE(Algorithm):
         self.bounds = (per, per) if homogeneous else (top_k, slots)
         check_feasible(pool, n_clients, k_c, *self.bounds)  # one line naming the numbers, before training
         self.k_c, self.beta, self.assignment, self.solver = k_c, beta, assignment, solver
-        self.embed_frac, self.embed_windows, self.embed_noise = embed_frac, embed_windows, embed_noise
+        self.embed_frac, self.embed_examples, self.embed_noise = embed_frac, embed_examples, embed_noise
+        # the relevance uses the layer's own score scale (eq. 10 and 26 share sqrt(d))
+        self.scale_dim = (lambda d_in: d_in) if self.cfg.score_scale == "d" else (lambda d_in: self.cfg.r)
 
     def adapter_config(self, client: int) -> AdapterConfig:
         return AdapterConfig(attention=False, mlp="none", amole=self.cfg)
@@ -142,22 +161,19 @@ class FedAMoLE(Algorithm):
         return state
 
     def split(self, data):
-        """(training data, embedding set): the embedding set is the last embed_frac (of the tokens,
-        or of the instruction examples), never trained on."""
-        if hasattr(data, "subset"):
-            cut = len(data) - max(1, int(self.embed_frac * len(data)))
-            return data.subset(0, cut), data.subset(cut)
-        cut = len(data) - max(self.train.seq_len + 1, int(self.embed_frac * len(data)))
-        return data[:cut], data[cut:]
+        """(training data, embedding set): the embedding set is the last embed_frac of the
+        instruction examples (at most ``embed_examples``) or of the tokens, never trained on."""
+        return held_out(data, self.embed_frac, self.train.seq_len, self.embed_examples)
 
     def embedding_inputs(self, aux) -> list[torch.Tensor]:
-        """The forwards over the embedding set: ``embed_windows`` windows of seq_len tokens in one
-        batch, or that many instruction examples one at a time (no padding enters the means)."""
+        """The forwards over the embedding set: every instruction example one at a time (no
+        padding enters the means; the authors' batch size is 1), or up to ``embed_examples``
+        windows of seq_len tokens, 8 to a batch."""
         if hasattr(aux, "subset"):
-            return [aux.ids[i][None] for i in range(min(self.embed_windows, len(aux)))]
+            return [aux.ids[i][None] for i in range(len(aux))]
         L = self.train.seq_len
-        windows = min(self.embed_windows, (len(aux) - 1) // L)
-        return [aux[:windows * L].long().reshape(windows, L)]
+        windows = aux[:min(self.embed_examples, (len(aux) - 1) // L) * L].long().reshape(-1, L)
+        return list(windows.split(8))
 
     def train_batch(self, ctx: ClientContext, gen: torch.Generator):
         return sample_batch(self.split(ctx.data.train)[0], self.train.batch_size, self.train.seq_len, gen)
@@ -173,19 +189,24 @@ class FedAMoLE(Algorithm):
 
     def embeddings(self, ctx: ClientContext) -> Tensors:
         """Eq. 23 and 25 on the embedding set: per module the mean token embedding and the mean
-        expert embedding of each assigned expert."""
+        expert embedding of each assigned expert; with a vanilla router, the mean router logits
+        over the pool instead (the module docstring says why)."""
         _, aux = self.split(ctx.data.train)
-        sums: dict[str, list] = {}  # module -> [token sum (r), expert sums (n, r), token count]
+        sums: dict[str, dict] = {}  # module -> {"n": tokens, "token": (r), "expert": (n, r) | "router": (E)}
 
         def hook(name):
             def record(module: AMoLELinear, args, _out):
                 h = args[0].reshape(-1, args[0].shape[-1]).float()
                 n, r = module.n_active, module.cfg.r
-                e = (h @ module.expert_A[:n].reshape(n * r, -1).t().float()).reshape(-1, n, r).sum(0)
-                t = (h @ module.token_proj.t().float()).sum(0) if module.token_proj is not None else None
-                prev = sums.get(name)
-                sums[name] = [t, e, len(h)] if prev is None else \
-                    [None if t is None else prev[0] + t, prev[1] + e, prev[2] + len(h)]
+                if module.token_proj is not None:
+                    got = {"token": (h @ module.token_proj.t().float()).sum(0),
+                           "expert": (h @ module.expert_A[:n].reshape(n * r, -1).t().float()).reshape(-1, n, r).sum(0)}
+                else:
+                    got = {"router": (h @ module.vanilla_router.weight.t().float()).sum(0)}
+                prev = sums.setdefault(name, {"n": 0})
+                prev["n"] += len(h)
+                for k, v in got.items():
+                    prev[k] = prev[k] + v if k in prev else v
             return record
         modules = amole_modules(ctx.model)
         handles = [m.register_forward_hook(hook(n)) for n, m in modules.items()]
@@ -200,21 +221,23 @@ class FedAMoLE(Algorithm):
         finally:
             for h in handles:
                 h.remove()
-        sums = {name: [None if t is None else t / count, e / count] for name, (t, e, count) in sums.items()}
         gen = torch.Generator().manual_seed(ctx.client)
         noise = (lambda t: t + self.embed_noise * torch.randn(t.shape, generator=gen)) if self.embed_noise \
             else (lambda t: t)
         out = {}
-        for name, (t, e) in sums.items():
-            if t is not None:
-                out[f"rsea.{name}.token"] = noise(to_cpu(t))
+        for name, got in sums.items():
+            mean = {k: to_cpu(v / got["n"]) for k, v in got.items() if k != "n"}
+            if "router" in mean:
+                out[f"rsea.{name}.router"] = noise(mean["router"])
+                continue
+            out[f"rsea.{name}.token"] = noise(mean["token"])
             for slot, gid in enumerate(ids[name]):
-                out[f"rsea.{name}.expert.{gid}"] = noise(to_cpu(e[slot]))
+                out[f"rsea.{name}.expert.{gid}"] = noise(mean["expert"][slot])
         return out
 
     def client_round(self, ctx: ClientContext, state: ClientState, payload: Tensors):
         state, upload, metrics = super().client_round(ctx, state, payload)
-        if self.assignment == "rsea" and self.cfg.router == "amole":
+        if self.assignment == "rsea":
             upload.update(self.embeddings(ctx))  # the model still holds this round's trained experts
         modules = amole_modules(ctx.model).values()
         metrics["experts"] = sum(m.n_active for m in modules) / max(1, len(modules))  # mean per module
@@ -236,7 +259,9 @@ class FedAMoLE(Algorithm):
         random first assignment, the common start of the shared tensors."""
         modules = self._pool_shapes(initial[0])
         common = {n: t for n, t in initial[0].items() if not _EXPERT.match(n)}
-        gen = torch.Generator().manual_seed(0)
+        # the pool, round 1's assignment and the random ablations draw from the run's seed, so
+        # the std over seeds includes that randomness
+        gen = torch.Generator().manual_seed(self.server.seed if self.server is not None else 0)
         pool = {}
         for m, (d_in, d_out) in modules.items():
             for gid in range(self.cfg.pool):
@@ -262,15 +287,17 @@ class FedAMoLE(Algorithm):
 
     def expected_upload(self, server_state, client: int, reference: Tensors) -> Tensors:
         expected = {n: t for n, t in reference.items() if not _EXPERT.match(n)}
+        rsea, amole = self.assignment == "rsea", self.cfg.router == "amole"
         for m, d in server_state["assignment"].items():
             for gid in d[client].nonzero().flatten().tolist():
                 for ab in "AB":
                     t = server_state["pool"][expert_name(m, gid, ab)]
                     expected[expert_name(m, gid, ab)] = torch.empty(t.shape, device="meta")
-                if self.assignment == "rsea" and self.cfg.router == "amole":
+                if rsea and amole:
                     expected[f"rsea.{m}.expert.{gid}"] = torch.empty(self.cfg.r, device="meta")
-            if self.assignment == "rsea" and self.cfg.router == "amole":
-                expected[f"rsea.{m}.token"] = torch.empty(self.cfg.r, device="meta")
+            if rsea:
+                expected[f"rsea.{m}.token" if amole else f"rsea.{m}.router"] = \
+                    torch.empty(self.cfg.r if amole else self.cfg.pool, device="meta")
         return expected
 
     def server_round(self, server_state, uploads: dict[int, Tensors]):
@@ -286,24 +313,32 @@ class FedAMoLE(Algorithm):
             if self.assignment == "random":
                 st["assignment"][m] = random_assignment(self.n_clients, self.cfg.pool, self.k_c, *self.bounds,
                                                         st["gen"], self.solver)
-            elif self.assignment == "rsea" and self.cfg.router == "amole":
+            elif self.assignment == "rsea":
+                # a client that did not train this round keeps its last embedding
                 for c, up in uploads.items():
-                    if f"rsea.{m}.token" in up:
-                        st["token_emb"][(m, c)] = up[f"rsea.{m}.token"].double()
-                for gid in range(self.cfg.pool):
-                    held = [up[f"rsea.{m}.expert.{gid}"].double() for up in uploads.values()
-                            if f"rsea.{m}.expert.{gid}" in up]
-                    if held:
-                        st["expert_emb"][(m, gid)] = torch.stack(held).mean(0)  # eq. 24
-                zero = torch.zeros(self.cfg.r, dtype=torch.float64)
-                clients = torch.stack([st["token_emb"].get((m, c), zero) for c in range(self.n_clients)])
-                experts_e = torch.stack([st["expert_emb"].get((m, g), zero) for g in range(self.cfg.pool)])
-                d_in = st["pool"][expert_name(m, 0, "A")].shape[1]
-                st["assignment"][m], info = assign(clients, experts_e, d_in, self.k_c, *self.bounds, self.solver)
+                    for kind in ("token", "router"):
+                        if f"rsea.{m}.{kind}" in up:
+                            st["token_emb"][(m, c)] = up[f"rsea.{m}.{kind}"].double()
+                if self.cfg.router == "amole":
+                    for gid in range(self.cfg.pool):
+                        held = [up[f"rsea.{m}.expert.{gid}"].double() for up in uploads.values()
+                                if f"rsea.{m}.expert.{gid}" in up]
+                        if held:
+                            st["expert_emb"][(m, gid)] = torch.stack(held).mean(0)  # eq. 24
+                    zero = torch.zeros(self.cfg.r, dtype=torch.float64)
+                    clients = torch.stack([st["token_emb"].get((m, c), zero) for c in range(self.n_clients)])
+                    experts_e = torch.stack([st["expert_emb"].get((m, g), zero) for g in range(self.cfg.pool)])
+                    d_in = st["pool"][expert_name(m, 0, "A")].shape[1]
+                    st["assignment"][m], info = assign(clients, experts_e, self.scale_dim(d_in), self.k_c,
+                                                       *self.bounds, self.solver)
+                else:  # vanilla router: s_ij = client i's mean router logit of expert j
+                    zero = torch.zeros(self.cfg.pool, dtype=torch.float64)
+                    s_v = torch.stack([st["token_emb"].get((m, c), zero) for c in range(self.n_clients)])
+                    st["assignment"][m], info = assign_by_relevance(s_v, self.k_c, *self.bounds, self.solver)
                 report["solve_s"] += info["solve_s"]
-                if "relevance" not in report:  # Fig. 8: one module's relevance (clients x experts)
-                    report["relevance"] = {"module": m, "s": [[round(v, 5) for v in row]
-                                                              for row in info["relevance"].tolist()]}
+                if "relevance" not in report:  # Fig. 8: one module's relevance and probabilities
+                    report["relevance"] = {"module": m, "s": info["relevance"].tolist(),
+                                           "p": info["probs"].tolist()}
             report["experts_per_client"][m] = st["assignment"][m].sum(1).tolist()
         report["rsea_s"] = time.perf_counter() - t0
         st["report"] = report

@@ -2,7 +2,10 @@
 solve that decides, per AMoLE module, which clients each domain expert goes to next round.
 
   relevance  s_ij = h_t_i . h_e_j / sqrt(d)        client i's mean token embedding (eq. 23) and
-                                                   expert j's mean expert embedding (eq. 24-26)
+                                                   expert j's mean expert embedding (eq. 24-26);
+                                                   d is the AMoLE layer's own score scale (eq. 10:
+                                                   sqrt(d) in the paper, sqrt(r) in the authors'
+                                                   node.py dispatch_experts and layer.py alike)
   selection  P_ij = softmax_i(s_ij)                over *clients*: expert j's preference (eq. 28)
   assignment max_D <P, D>  s.t.  sum_i D_ij = k_c  (every expert picks exactly k_c clients)
                                  k_e <= sum_j D_ij <= b   (every client gets k_e..b experts)
@@ -103,12 +106,17 @@ def random_assignment(n_clients: int, n_experts: int, k_c: int, k_e: int, b: int
     return solve_assignment(torch.rand(n_clients, n_experts, generator=gen, dtype=torch.float64), k_c, k_e, b, solver)
 
 
-def assign(client_emb: torch.Tensor, expert_emb: torch.Tensor, d_model: int, k_c: int, k_e: int, b: int,
+def assign(client_emb: torch.Tensor, expert_emb: torch.Tensor, scale_dim: int, k_c: int, k_e: int, b: int,
            solver: str = "scip") -> tuple[torch.Tensor, dict]:
-    """One module's RSEA: relevance -> selection probabilities -> MILP; returns D and what the
-    reports show (relevance matrix, probabilities, objective, solve time)."""
+    """One module's RSEA: relevance (eq. 26, divided by sqrt(``scale_dim``): the layer's own score
+    scale) -> selection probabilities -> MILP; returns D and what the reports show."""
+    return assign_by_relevance(relevance(client_emb, expert_emb, scale_dim), k_c, k_e, b, solver)
+
+
+def assign_by_relevance(s: torch.Tensor, k_c: int, k_e: int, b: int, solver: str = "scip") -> tuple[torch.Tensor, dict]:
+    """Selection probabilities (eq. 28) and the MILP from a relevance matrix s (clients x
+    experts); returns D and the relevance, probabilities, objective and solve time."""
     t0 = time.perf_counter()
-    s = relevance(client_emb, expert_emb, d_model)
     p = selection_probs(s)
     d = solve_assignment(p, k_c, k_e, b, solver)
     return d, {"relevance": s, "probs": p, "objective": float((p * d).sum()), "solve_s": time.perf_counter() - t0}
