@@ -160,7 +160,8 @@ def deepfusion_configs() -> None:
             rounds = s["fedjets_rounds"]
             assert s["local_steps"] % rounds == 0, "FedJETS's rounds must divide the device budget"
             fedjets = f"fedjets:train.rounds={rounds},train.local_steps={s['local_steps'] // rounds}"
-            methods = ["deepfusion", "fedkmt", "ofa-kd", fedjets, "central-moe"]
+            # deepfusion-ce: alpha = beta = 0, the gain of each KD term over the public data's CE alone
+            methods = ["deepfusion", "deepfusion-ce", "fedkmt", "ofa-kd", fedjets, "central-moe"]
             cfg = dict(model="smollm2-135m", corpus=case, methods=methods,
                        seeds=[42] if scale == "cpu" else [42, 62, 82],
                        **({"precision": "bf16"} if scale == "paper" else {}),
@@ -171,7 +172,10 @@ def deepfusion_configs() -> None:
                                        kd_steps=s["kd_steps"], tune_steps=s["tune_steps"],
                                        # devices train once for deepfusion / fedkmt / ofa-kd (identical
                                        # device phase; $COMIX_CACHE/deepfusion-devices, ~3 GB at N = 8)
-                                       **({"device_cache": True} if scale == "cpu" else {})))
+                                       **({"device_cache": True} if scale == "cpu" else {})),
+                       # FedJETS gets DeepFusion's server data budget: K x kd_steps + tune_steps public
+                       # batches of kd_batch (central-moe reads the same from the deepfusion section)
+                       fedjets=dict(experts=4, top_k=2, public_steps=4 * s["kd_steps"] + s["tune_steps"], public_batch=4))
             write(ROOT / "deepfusion" / f"{scale}-{case}-n{n}.yaml",
                   f"DeepFusion Tables I-II / Fig. 7-9, {what}, N = {n} devices; {scale} scale "
                   f"(scripts/make_configs.py).\nRun: comix compare configs/deepfusion/{scale}-{case}-n{n}.yaml", cfg)

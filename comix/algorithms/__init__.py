@@ -12,7 +12,7 @@ from ..models import LoRAConfig
 from .base import Algorithm, ClientContext, ClientState, TrainConfig, average, expert_lr, tensor_bytes
 from .centralized import Centralized
 from .comigs import CoMiGS
-from .deepfusion import OFAKD, CentralMoE, DeepFusion, FedKMT
+from .deepfusion import OFAKD, CEOnly, CentralMoE, DeepFusion, FedKMT
 from .fdlora import FDLoRA
 from .fdlora_fedamole import FDLoRAFedAMoLE
 from .fedamole import FedAMoLE
@@ -49,7 +49,7 @@ FEDAMOLE_VARIANTS = {  # Table III's ablations: the journal's names, then the ar
 }
 CLASSES = (Pretrained, Local, FedAvg, Centralized, FFALoRA, FedSALoRA, PCL, FDLoRA, FDLoRAFedAMoLE, HetLoRA, FlexLoRA,
            PFedMoE, LocalMoE, FedAvgMoE, LocalMoETr, FedAvgMoETr, FedAMoLE, FedIT, FedITFT, FedPrompt,
-           FedPromptFT, FedPTuning, FedPTuningFT, DeepFusion, FedKMT, OFAKD,
+           FedPromptFT, FedPTuning, FedPTuningFT, DeepFusion, CEOnly, FedKMT, OFAKD,
            CentralMoE, FedJETS)
 REGISTRY: dict[str, tuple[type[Algorithm], dict]] = {
     **{cls.name: (cls, getattr(cls, "variant", {})) for cls in CLASSES},

@@ -336,6 +336,10 @@ class FedAMoLE(Algorithm):
                     s_v = torch.stack([st["token_emb"].get((m, c), zero) for c in range(self.n_clients)])
                     st["assignment"][m], info = assign_by_relevance(s_v, self.k_c, *self.bounds, self.solver)
                 report["solve_s"] += info["solve_s"]
+                # how far the selection probabilities are from uniform (1 / N): near 0, the MILP's
+                # choice rests on tiny differences (issue I, item 6)
+                dev = float((info["probs"] - 1 / self.n_clients).abs().max())
+                report["p_max_dev"] = max(report.get("p_max_dev", 0.0), dev)
                 if "relevance" not in report:  # Fig. 8: one module's relevance and probabilities
                     report["relevance"] = {"module": m, "s": info["relevance"].tolist(),
                                            "p": info["probs"].tolist()}

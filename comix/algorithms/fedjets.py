@@ -26,7 +26,7 @@ from ..models.base import tokenizer_source
 from ..models.upcycle import moe_config, upcycle
 from ..runtime import to_cpu
 from .base import Algorithm, ClientContext, ClientState, Tensors, batch_generator, expert_lr, make_optimizer
-from .deepfusion import moe_step, save_moe, score_on_server
+from .deepfusion import moe_step, public_tuning, save_moe, score_on_server
 
 
 def _layer(name: str) -> int:
@@ -39,8 +39,14 @@ class FedJETS(Algorithm):
     needs_server_data = True  # the global MoE is scored on the server's test data
 
     def __init__(self, lora, train, n_clients, experts: int = 4, local_experts: int = 2, top_k: int = 2,
-                 aux_loss_coef: float = 0.001, router_std: float = 0.02):
+                 aux_loss_coef: float = 0.001, router_std: float = 0.02, public_steps: int = 100,
+                 public_batch: int = 4, public_lr: float = 1e-4):
         super().__init__(lora, train, n_clients)
+        if public_steps < 0 or public_batch < 1 or public_lr <= 0:
+            raise ValueError("fedjets: public_steps >= 0, public_batch >= 1 and public_lr > 0")
+        # after the last round the server trains the global MoE on its public data for as many
+        # batches as DeepFusion's server uses (K x kd_steps + tune_steps; the recipes set them equal)
+        self.public_steps, self.public_batch, self.public_lr = public_steps, public_batch, public_lr
         if not 1 <= local_experts <= experts:
             raise ValueError(f"fedjets.local_experts = {local_experts} must lie in [1, experts = {experts}]")
         if not 1 <= top_k <= local_experts:
@@ -193,7 +199,12 @@ class FedJETS(Algorithm):
         state = {"weights": sd, "assignment": assignment, "round": server_state["round"] + 1}
         self.moe = None
         if state["round"] == self.train.rounds:
-            save_moe(self._global(state), self.server.out_dir / "global-moe", tokenizer_source(self.server.base))
+            moe = self._global(state)
+            public = torch.cat(list(self.server.data.public.values()))
+            state["public"] = public_tuning(moe, public, self.public_steps, self.public_batch, self.public_lr,
+                                            self.aux_loss_coef, self.train, self.server.runtime, self.server.seed)
+            state["weights"] = {n: t.detach().to("cpu", copy=True) for n, t in moe.named_parameters()}
+            save_moe(moe, self.server.out_dir / "global-moe", tokenizer_source(self.server.base))
         return state, self._payloads(state)
 
     def _global(self, state) -> nn.Module:
@@ -207,7 +218,8 @@ class FedJETS(Algorithm):
         return self.moe
 
     def server_report(self, server_state) -> dict:
-        return {"assignment": {str(c): ids for c, ids in server_state["assignment"].items()}}
+        return {"assignment": {str(c): ids for c, ids in server_state["assignment"].items()},
+                **({"public": server_state["public"]} if "public" in server_state else {})}
 
     def server_evaluate(self, server_state) -> dict[str, dict]:
         return score_on_server(self._global(server_state), self.server, self.train)

