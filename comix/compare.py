@@ -224,7 +224,8 @@ def plot_assignment(run_dir: Path, spec: str, seed: int, path: Path) -> bool:
 
 def global_model_tables(run_dir: Path, results: dict[str, dict[int, dict]], specs: list[str], seeds: list[int]) -> str:
     """DeepFusion Tables I-II, Fig. 7-8 for methods whose server scored a global model: test
-    token perplexity (log) and token accuracy (%) per test domain and mean, mean (std) over seeds,
+    token perplexity (log), the token accuracy of generated answers (%, on question-answer data)
+    and the teacher-forced token accuracy per test domain and mean, mean (std) over seeds,
     with the dense base before distillation as a row; total upload (MB, Fig. 8) and each device
     model's training state (parameters + gradients + AdamW moments, fp32 MB; Fig. 7's on-device
     memory). Empty when no method scored a global model."""
@@ -233,14 +234,21 @@ def global_model_tables(run_dir: Path, results: dict[str, dict[int, dict]], spec
         return ""
     domains = sorted({d for by in scored.values() for r in by.values() for d in r["per_user"]})
     out = []
-    for key, title in (("log_ppl", "Token perplexity (log), lower is better"), ("token_acc", "Token accuracy (%)")):
+    tables = (("log_ppl", "Token perplexity (log), lower is better (Table I)"),
+              ("answer_acc", "Token accuracy of generated answers (%, Table II)"),
+              ("token_acc", "Teacher-forced next-token accuracy over the test text (%)"))
+    for key, title in tables:
+        if not any(f"test_{key}" in v for by in scored.values() for r in by.values() for v in r["per_user"].values()):
+            continue  # no question-answer data: no generated answers
         lines = [f"{title}", "", "| method | " + " | ".join(domains) + " | mean |", "|" + "---|" * (len(domains) + 2)]
         rows = [(spec, by, f"test_{key}") for spec, by in scored.items()]
         first = next(iter(scored.items()))
         rows.append((f"dense base ({first[0]} run)", first[1], f"test_base_{key}"))
-        for label, by, k in rows:
-            cells = [_mean_std([r["per_user"][d][k] for r in by.values() if d in r["per_user"]]) for d in domains]
-            means = [statistics.fmean(r["per_user"][d][k] for d in domains if d in r["per_user"]) for r in by.values()]
+        for label, by, k in rows:  # "-": a domain without that score (no question-answer data)
+            cells = [(lambda xs: _mean_std(xs) if xs else "-")([r["per_user"][d][k] for r in by.values()
+                                                                  if k in r["per_user"].get(d, {})]) for d in domains]
+            means = [statistics.fmean(r["per_user"][d][k] for d in domains if k in r["per_user"].get(d, {}))
+                     for r in by.values()]
             lines.append(f"| {label} | " + " | ".join(cells) + f" | {_mean_std(means)} |")
         out.append("\n".join(lines))
     lines = ["Communication and device memory", "", "| method | total upload (MB) | device model: training state (MB) |",

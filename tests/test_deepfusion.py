@@ -149,6 +149,31 @@ def test_pruning_keeps_the_most_influential_blocks_and_neurons_exactly():
         prune(dense, cal, layers=7)
 
 
+def test_width_pruning_equals_the_original_with_the_dropped_channels_held_at_zero():
+    from comix.models.prune import calibrate, kept_channels
+    dense = _llama(layers=3)
+    cal = torch.randint(0, 97, (3, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        small = prune(dense, cal, hidden=20)
+        assert small.config.hidden_size == 20 and small.model.embed_tokens.weight.shape == (97, 20)
+        assert small.model.layers[0].self_attn.q_proj.weight.shape == (32, 20)  # heads keep their size
+        ch = kept_channels(calibrate(dense, cal)[2], 20)
+        # the channels of largest mean |h| over the calibration pass's hidden states
+        states = dense(cal, output_hidden_states=True).hidden_states
+        assert set(ch.tolist()) == set(torch.stack([h.abs().mean((0, 1)) for h in states]).mean(0).topk(20).indices.tolist())
+        ref = copy.deepcopy(dense)
+        drop = torch.ones(32, dtype=torch.bool)
+        drop[ch] = False
+        ref.model.embed_tokens.weight[:, drop] = 0  # (tied: the head reads nothing there either)
+        for block in ref.model.layers:
+            block.self_attn.o_proj.weight[drop] = 0
+            block.mlp.down_proj.weight[drop] = 0
+        assert torch.allclose(small(IDS).logits, ref(IDS).logits, atol=1e-5)
+        assert not torch.allclose(small(IDS).logits, dense(IDS).logits, atol=1e-3)
+    with pytest.raises(ValueError, match="hidden = 33"):
+        prune(dense, cal, hidden=33)
+
+
 def test_pruned_devices_of_one_spec_start_from_one_model():
     """Every device (and the server) builds a spec's model alike: calibration is fixed text."""
     from comix.models import load_base_model
@@ -251,7 +276,10 @@ def _domains(root):
     for name, vocab in words.items():
         (root / name).mkdir(parents=True)
         for i in range(12):
-            (root / name / f"{i}.txt").write_text(" ".join(rng.choice(vocab) for _ in range(80)))
+            text = " ".join(rng.choice(vocab) for _ in range(80))
+            if name == "fin":  # question-answer documents: Table II scores generated answers
+                text = f"Question: {text[:120]}\nAnswer: {' '.join(rng.choice(vocab) for _ in range(6))}"
+            (root / name / f"{i}.txt").write_text(text)
     return root
 
 
@@ -305,7 +333,10 @@ def test_deepfusion_one_shot_end_to_end(tmp_path, monkeypatch):
     assert len({spec for *_, spec in sent}) >= 2
     # Tables I-II and Fig. 7-8 in the comparison: the upload column is what the devices sent
     md = (tmp_path / "compare.md").read_text()
-    assert "Token perplexity (log)" in md and "Token accuracy (%)" in md and "| dense base (deepfusion run) |" in md
+    assert "Token perplexity (log)" in md and "Teacher-forced next-token accuracy" in md
+    assert "Token accuracy of generated answers" in md and "| dense base (deepfusion run) |" in md
+    res = json.loads((run / "deepfusion" / "results.json").read_text())
+    assert "test_answer_acc" in res["per_user"]["fin"] and "test_answer_acc" not in res["per_user"]["med"]
     total = json.loads((run / "deepfusion" / "results.json").read_text())["bytes_up_total"] / 2**20
     assert f"| deepfusion | {total:.2f} |" in md
     assert "| deepfusion | med" not in md and "| method | code | fin | med |" in md
@@ -631,3 +662,36 @@ def test_ofa_branches_have_heads_of_their_own():
     assert student.lm_head.weight.grad is None or student.lm_head.weight.grad.abs().sum() == 0
     assert all(h.weight.grad.abs().sum() > 0 for h in ofa.heads)
     assert student.model.layers[0].mlp.down_proj.weight.grad.abs().sum() > 0  # the stages themselves learn
+
+
+def test_generated_answer_accuracy_counts_reference_tokens_the_greedy_answer_matches():
+    from comix.data.splits import answer_pairs
+    from comix.eval.tasks import generated_token_accuracy
+    model = _llama(layers=2)
+    gen = torch.Generator().manual_seed(5)
+    pairs = [(torch.randint(1, 97, (n,), generator=gen), torch.randint(1, 97, (m,), generator=gen))
+             for n, m in ((4, 3), (7, 5), (2, 4))]
+    correct = total = 0
+    with torch.no_grad():
+        for q, a in pairs:  # greedy decoding one question at a time, no padding
+            ids = q[None]
+            for want in a.tolist():
+                nxt = int(model(ids).logits[0, -1].argmax())
+                correct, total = correct + (nxt == want), total + 1
+                ids = torch.cat([ids, torch.tensor([[nxt]])], 1)
+        # a reference the model is made to produce scores 100 %
+        q = pairs[0][0]
+        forced = []
+        ids = q[None]
+        for _ in range(3):
+            forced.append(int(model(ids).logits[0, -1].argmax()))
+            ids = torch.cat([ids, torch.tensor([[forced[-1]]])], 1)
+    got = generated_token_accuracy(model, pairs, pad_id=0, batch_size=2)
+    assert got == pytest.approx(100 * correct / total)
+    assert generated_token_accuracy(model, [(q, torch.tensor(forced))], pad_id=0) == 100.0
+
+    class Tok:  # words as token ids
+        def __call__(self, text, add_special_tokens=True):
+            return {"input_ids": [len(w) for w in text.split()]}
+    got = answer_pairs(["Question: what is up\nAnswer: the sky", "no marker here"], Tok(), 5)
+    assert len(got) == 1 and got[0][0].tolist() == [9, 4, 2, 2, 7] and got[0][1].tolist() == [3, 3]

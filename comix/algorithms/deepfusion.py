@@ -40,6 +40,7 @@ from transformers import AutoTokenizer
 from ..data import sample_batch
 from ..data.embed import MINILM, SentenceEncoder
 from ..eval.perplexity import split_token_stats
+from ..eval.tasks import generated_token_accuracy
 from ..models.base import tokenizer_source
 from ..models.devices import build_device_model, parse_device_spec
 from ..models.upcycle import expert_params, upcycle
@@ -497,16 +498,22 @@ def moe_step(moe: nn.Module, x: torch.Tensor, y: torch.Tensor, params: list, opt
 
 def score_on_server(model: nn.Module, server: ServerContext, train) -> dict[str, dict]:
     """A global model (and, for comparison, the dense base before distillation) on every
-    domain's test stream of the server: token perplexity, its log (Table I) and token accuracy
-    (%, Table II)."""
+    domain's test data of the server: token perplexity and its log (Table I), the accuracy of
+    generated answers against the references (%, Table II: ``answer_acc``, on question-answer
+    data) and the teacher-forced next-token accuracy over the whole stream (``token_acc``)."""
     if server is None or server.data is None:
         raise ValueError("the global model is scored on the server's test data: set data.public_frac > 0")
     out = {}
     for domain, tokens in server.data.test.items():
         row = {}
+        pairs = server.data.answers.get(domain)
         for prefix, m in (("test", model), ("test_base", server.base)):
             with server.runtime.autocast():
                 nll, n, correct = split_token_stats(m, tokens, train.seq_len, train.eval_batch_size)
+                if pairs:  # Table II: generated answers against the references
+                    row[f"{prefix}_answer_acc"] = generated_token_accuracy(
+                        m, pairs, server.data.pad_id, server.data.eos_id, train.eval_batch_size,
+                        train.max_new_tokens)
             row.update({f"{prefix}_ppl": math.exp(nll / n), f"{prefix}_log_ppl": nll / n,
                         f"{prefix}_token_acc": 100.0 * correct / n})
         out[domain] = row

@@ -50,12 +50,17 @@ class SplitConfig:
     # DeepFusion (Sec. IV-C): share of each category's documents held out as the server's *public*
     # data, which no device ever holds; the server's test set is each category's test split
     public_frac: float = 0.0
+    # DeepFusion Table II: the server's test questions ("...\nAnswer: ...") whose generated answers
+    # are scored token by token against the reference, at most this many per domain
+    answer_examples: int = 50
 
     def __post_init__(self):
         if self.partition not in ("task", "dirichlet"):
             raise ValueError(f"data.partition must be task or dirichlet, got {self.partition!r}")
         if self.max_len < 8 or any(v is not None and v < 1 for v in (self.valid_examples, self.test_examples)):
             raise ValueError("data.max_len must be >= 8, data.valid_examples and data.test_examples >= 1")
+        if self.answer_examples < 0:
+            raise ValueError(f"data.answer_examples must be >= 0, got {self.answer_examples}")
         if self.clients < 0 or self.alpha <= 0 or (self.client_train_tokens is not None and self.client_train_tokens < 2):
             raise ValueError("data.clients must be >= 0, data.alpha > 0 and data.client_train_tokens >= 2")
         if self.clients and (self.mode != "in" or self.train_tokens is not None):
@@ -130,12 +135,35 @@ def _split_docs(docs: list[str], cfg: SplitConfig, name: str):
             pick(order[cut:cut + n_public]))
 
 
+ANSWER = "\nAnswer:"  # where a QA document's reference answer starts (data/qa.py)
+
+
 @dataclass
 class ServerData:
     """What a server itself holds (DeepFusion): per domain, public token streams to distil and
-    tune on, and the test streams the global model is scored on. No device holds either."""
+    tune on, and the test streams the global model is scored on; for question-answer documents
+    also (question ids, reference answer ids) pairs whose generated answers are scored (Table II).
+    No device holds any of it."""
     public: dict[str, torch.Tensor]
     test: dict[str, torch.Tensor]
+    answers: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+    pad_id: int = 0
+    eos_id: int | None = None
+
+
+def answer_pairs(docs: list[str], tokenizer, limit: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(question ids up to and including "Answer:", reference answer ids) of the first ``limit``
+    documents that hold an answer marker."""
+    out = []
+    for doc in docs:
+        cut = doc.rfind(ANSWER)
+        if cut < 0 or len(out) >= limit:
+            continue
+        q = tokenizer(doc[:cut + len(ANSWER)])["input_ids"]
+        a = tokenizer(" " + doc[cut + len(ANSWER):].strip(), add_special_tokens=False)["input_ids"]
+        if a:
+            out.append((torch.tensor(q), torch.tensor(a)))
+    return out
 
 
 def make_server_data(corpus: Corpus, tokenizer, cfg: SplitConfig) -> ServerData | None:
@@ -147,12 +175,16 @@ def make_server_data(corpus: Corpus, tokenizer, cfg: SplitConfig) -> ServerData 
     if hasattr(corpus, "examples"):
         raise ValueError("data.public_frac: server data is built from token corpora (e.g. topics), not "
                          "instruction sets")
-    public, test = {}, {}
+    public, test, answers = {}, {}, {}
     for n in cfg.users or list(corpus):
         _, _, te, pub = _split_docs(corpus[n], cfg, n)
         public[n] = tokenize_docs(pub, tokenizer)
         test[n] = tokenize_docs(te, tokenizer)[:cfg.test_tokens] if cfg.test_tokens else tokenize_docs(te, tokenizer)
-    return ServerData(public, test)
+        pairs = answer_pairs(te, tokenizer, cfg.answer_examples)
+        if pairs:
+            answers[n] = pairs
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return ServerData(public, test, answers, pad_id=pad or 0, eos_id=tokenizer.eos_token_id)
 
 
 def make_user_data(corpus: Corpus, tokenizer, cfg: SplitConfig | None = None) -> list[UserData]:

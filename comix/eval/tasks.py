@@ -131,3 +131,31 @@ def split_response_nll(model, split, batch_size: int = 8) -> tuple[float, int]:
         total += F.cross_entropy(logits[:, :-1].float().transpose(1, 2), labels[:, 1:], reduction="sum").item()
         count += int((labels[:, 1:] != -100).sum())
     return total, count
+
+
+@torch.inference_mode()
+def generated_token_accuracy(model, pairs: list[tuple[torch.Tensor, torch.Tensor]], pad_id: int,
+                             eos_id: int | None = None, batch_size: int = 8, max_new_tokens: int = 64) -> float:
+    """DeepFusion's token accuracy (Sec. V-B, Table II): the share (%) of reference-answer tokens
+    that the greedy *generated* answer matches position by position (a generation that stops
+    early misses the rest). Questions are left-padded with an attention mask; each answer is
+    generated for as many tokens as its reference (at most ``max_new_tokens``)."""
+    device = model.get_input_embeddings().weight.device
+    was_training = model.training
+    model.eval()
+    correct = total = 0
+    try:
+        for b in range(0, len(pairs), batch_size):
+            batch = pairs[b:b + batch_size]
+            refs = [a[:max_new_tokens].tolist() for _, a in batch]
+            width = max(len(q) for q, _ in batch)
+            ids = torch.tensor([[pad_id] * (width - len(q)) + q.tolist() for q, _ in batch], device=device)
+            mask = torch.tensor([[0] * (width - len(q)) + [1] * len(q) for q, _ in batch], device=device)
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(map(len, refs)),
+                                 do_sample=False, pad_token_id=pad_id, eos_token_id=eos_id)
+            for row, ref in zip(out[:, width:].tolist(), refs):
+                correct += sum(g == r for g, r in zip(row, ref))
+                total += len(ref)
+    finally:
+        model.train(was_training)
+    return 100.0 * correct / max(1, total)

@@ -2,8 +2,9 @@
 independently tailors the architecture and parameter size of its local LLM"), named by a spec:
 
   base                        the run's base model itself (a full copy)
-  prune:<layers>:<ffn>        the base pruned to <layers> blocks and <ffn> FFN neurons per block,
-                              chosen on a fixed calibration text (models/prune.py; Llama bases)
+  prune:<layers>:<ffn>[:<d>]  the base pruned to <layers> blocks, <ffn> FFN neurons per block and
+                              (optionally) <d> residual channels, chosen on a fixed calibration
+                              text (models/prune.py; Llama bases)
   random-<arch>:<layers>:<d>  a randomly initialised <arch> (llama | gpt2 | qwen2) LM of <layers>
                               blocks and width <d> (heads of 64 channels) on the base's vocabulary
   anything else               a hub id or local folder (``AutoModelForCausalLM.from_pretrained``),
@@ -33,9 +34,10 @@ def parse_device_spec(spec: str) -> tuple[str, tuple[int, ...]]:
     head, _, rest = spec.partition(":")
     if head == "prune" or head.startswith("random-"):
         parts = rest.split(":")
-        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        sizes = (2, 3) if head == "prune" else (2,)
+        if len(parts) not in sizes or not all(p.isdigit() and int(p) > 0 for p in parts):
             raise ValueError(f"deepfusion.devices: {spec!r} must be {head}:<layers>:<"
-                             f"{'ffn' if head == 'prune' else 'width'}> with positive whole numbers")
+                             f"{'ffn>[:<width>' if head == 'prune' else 'width'}> with positive whole numbers")
         if head.startswith("random-") and head[7:] not in RANDOM_ARCHS:
             raise ValueError(f"deepfusion.devices: {spec!r}: random architectures are {', '.join(RANDOM_ARCHS)}")
         if head.startswith("random-") and int(parts[1]) % 64 and int(parts[1]) > 64:
@@ -82,7 +84,7 @@ def build_device_model(spec: str, base: nn.Module) -> nn.Module:
         from .base import tokenizer_source
         from .prune import prune
         model = prune(copy.deepcopy(base).float(), _calibration(tokenizer_source(base)), layers=nums[0],
-                      intermediate=nums[1])
+                      intermediate=nums[1], hidden=nums[2] if len(nums) > 2 else None)
     elif kind.startswith("random-"):
         model = _random_model(kind[7:], nums[0], nums[1], base, seed=zlib.crc32(spec.encode()))
     else:

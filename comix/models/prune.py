@@ -20,8 +20,16 @@ proxy teacher, stays meaningful).
   the built-in Python docs, see the README). Removing neuron i is exact: its output only ever
   reaches the residual through column i of down_proj.
 
-Embeddings, attention, norms and head are kept, so the pruned model shares the tokenizer and
-hidden width (and thus stays averageable with its own kind). The result is a fresh
+* hidden width: keep ``hidden`` of the residual stream's channels, those of largest mean |h| over
+  every block's input and the final norm's on the calibration tokens (SmolLM2's outlier channels
+  carry most of its state and are kept). Embeddings, q/k/v inputs, o_proj and down_proj outputs,
+  gate/up inputs, the norms and the head keep those channels; heads and head size stay. Exact: the
+  pruned model equals the original whose residual stream is held at zero on the dropped channels
+  (their embedding columns and every block's writes there zeroed), because each RMSNorm's weight
+  is scaled by sqrt(d / d') and its epsilon by d / d' (RMS over d' channels = sqrt(d / d') x the
+  RMS over d with the rest zero), so the device is narrower than the student, not only shallower.
+
+The tokenizer is kept (every device reads the base's token ids). The result is a fresh
 ``LlamaForCausalLM`` with its own config; nothing is masked.
 """
 from __future__ import annotations
@@ -68,6 +76,16 @@ def neuron_importance(mean_abs_activation: torch.Tensor, mlp) -> torch.Tensor:
     return mean_abs_activation * mlp.down_proj.weight.float().norm(dim=0)
 
 
+def kept_channels(hidden_states: tuple[torch.Tensor, ...], keep: int) -> torch.Tensor:
+    """The ``keep`` residual-stream channels of largest mean |h| over all blocks' inputs and the
+    last hidden state, in their original order."""
+    d = hidden_states[0].shape[-1]
+    if not 1 <= keep <= d:
+        raise ValueError(f"prune: hidden = {keep} must lie in [1, {d}]")
+    magnitude = torch.stack([h.abs().float().mean((0, 1)) for h in hidden_states]).mean(0)
+    return magnitude.topk(keep).indices.sort().values
+
+
 @torch.no_grad()
 def calibrate(model: LlamaForCausalLM, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One forward of the calibration batch: each block's influence and each FFN neuron's mean
@@ -81,14 +99,15 @@ def calibrate(model: LlamaForCausalLM, ids: torch.Tensor) -> tuple[torch.Tensor,
     finally:
         for h in hooks:
             h.remove()
-    return block_influence(hidden), acts
+    return block_influence(hidden), acts, hidden
 
 
 @torch.no_grad()
 def prune(model: LlamaForCausalLM, calibration: torch.Tensor, layers: int | None = None,
-          intermediate: int | None = None) -> LlamaForCausalLM:
-    """A smaller copy of ``model``: ``layers`` blocks, ``intermediate`` FFN neurons per block
-    (None keeps the model's own), chosen on the ``calibration`` token ids (B, T)."""
+          intermediate: int | None = None, hidden: int | None = None) -> LlamaForCausalLM:
+    """A smaller copy of ``model``: ``layers`` blocks, ``intermediate`` FFN neurons per block and
+    ``hidden`` residual channels (None keeps the model's own), chosen on the ``calibration``
+    token ids (B, T)."""
     if not isinstance(model, LlamaForCausalLM):
         raise ValueError(f"prune: {type(model).__name__} is not Llama-architecture (only those are pruned here)")
     c = model.config
@@ -96,24 +115,41 @@ def prune(model: LlamaForCausalLM, calibration: torch.Tensor, layers: int | None
     intermediate = c.intermediate_size if intermediate is None else intermediate
     if not 1 <= intermediate <= c.intermediate_size:
         raise ValueError(f"prune: intermediate = {intermediate} must lie in [1, {c.intermediate_size}]")
-    influence, acts = calibrate(model.eval(), calibration)
+    influence, acts, states = calibrate(model.eval(), calibration)
     keep = kept_layers(influence, layers)
+    d = c.hidden_size
+    ch = kept_channels(states, d if hidden is None else hidden)
+    ratio = d / len(ch)
     cfg = copy.deepcopy(c)
     cfg.num_hidden_layers, cfg.intermediate_size = len(keep), intermediate
+    cfg.head_dim = getattr(c, "head_dim", None) or d // c.num_attention_heads  # heads keep their size
+    cfg.hidden_size, cfg.rms_norm_eps = len(ch), c.rms_norm_eps * ratio
     if getattr(cfg, "layer_types", None):
         cfg.layer_types = [cfg.layer_types[i] for i in keep]
     small = LlamaForCausalLM(cfg).to(dtype=model.dtype)
-    small.model.embed_tokens.load_state_dict(model.model.embed_tokens.state_dict())
-    small.model.norm.load_state_dict(model.model.norm.state_dict())
+
+    def norm(new, old):  # RMS over d' channels: weight x sqrt(d / d'), eps x d / d' (docstring)
+        new.weight.copy_(old.weight[ch] * ratio ** 0.5)
+
+    small.model.embed_tokens.weight.copy_(model.model.embed_tokens.weight[:, ch])
+    norm(small.model.norm, model.model.norm)
     if not cfg.tie_word_embeddings:
-        small.lm_head.load_state_dict(model.lm_head.state_dict())
+        small.lm_head.weight.copy_(model.lm_head.weight[:, ch])
     for new, i in zip(small.model.layers, keep):
         old = model.model.layers[i]
-        for part in ("self_attn", "input_layernorm", "post_attention_layernorm"):
-            getattr(new, part).load_state_dict(getattr(old, part).state_dict())
+        norm(new.input_layernorm, old.input_layernorm)
+        norm(new.post_attention_layernorm, old.post_attention_layernorm)
+        for name in ("q_proj", "k_proj", "v_proj"):  # read the kept channels
+            src, dst = getattr(old.self_attn, name), getattr(new.self_attn, name)
+            dst.weight.copy_(src.weight[:, ch])
+            if src.bias is not None:
+                dst.bias.copy_(src.bias)
+        new.self_attn.o_proj.weight.copy_(old.self_attn.o_proj.weight[ch])  # write the kept channels
+        if old.self_attn.o_proj.bias is not None:
+            new.self_attn.o_proj.bias.copy_(old.self_attn.o_proj.bias[ch])
         idx = neuron_importance(acts[i], old.mlp).topk(intermediate).indices.sort().values
-        new.mlp.gate_proj.weight.copy_(old.mlp.gate_proj.weight[idx])
-        new.mlp.up_proj.weight.copy_(old.mlp.up_proj.weight[idx])
-        new.mlp.down_proj.weight.copy_(old.mlp.down_proj.weight[:, idx])
+        new.mlp.gate_proj.weight.copy_(old.mlp.gate_proj.weight[idx][:, ch])
+        new.mlp.up_proj.weight.copy_(old.mlp.up_proj.weight[idx][:, ch])
+        new.mlp.down_proj.weight.copy_(old.mlp.down_proj.weight[ch][:, idx])
     small.tie_weights()
     return small.eval()
