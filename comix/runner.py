@@ -99,11 +99,26 @@ def load_inputs(cfg: RunConfig):
     for spec in cfg.methods:  # every method's options checked before the model loads
         if build_algorithm(cfg, spec, count_users(cfg, corpus)).needs_server_data and not cfg.data.public_frac:
             raise ValueError(f"{spec} needs the server's own public and test data: set data.public_frac (e.g. 0.1)")
+    public = public_corpus_of(cfg)  # its categories checked before the model loads
     model, tok = load_base_model(cfg.model, dropout=cfg.dropout)
     users = make_user_data(corpus, tok, cfg.data)
     check_seq_len(users, cfg.train.seq_len)
-    server_data = make_server_data(corpus, tok, cfg.data)  # None unless data.public_frac
+    server_data = make_server_data(corpus, tok, cfg.data, public)  # None unless data.public_frac
     return runtime.prepare_base(model), tok, users, token_table(users), server_data
+
+
+def public_corpus_of(cfg: RunConfig):
+    """The corpus of ``data.public_corpus`` (None: the test domains' public share is public); a
+    category it lacks fails in one line naming it."""
+    from .data import load_corpus
+    if not cfg.data.public_corpus:
+        return None
+    corpus = load_corpus(cfg.data.public_corpus)
+    missing = sorted(set(cfg.data.public_categories or []) - set(corpus))
+    if missing:
+        raise ValueError(f"data.public_categories: {missing} not in data.public_corpus {cfg.data.public_corpus!r} "
+                         f"(it has {sorted(corpus)})")
+    return corpus
 
 
 def server_context(cfg: RunConfig, out: Path, seed: int):
@@ -121,7 +136,8 @@ def server_context(cfg: RunConfig, out: Path, seed: int):
     from .data.splits import make_server_data
     from .models import load_base_model
     model, tok = load_base_model(cfg.model, dropout=cfg.dropout)
-    return ServerContext(runtime.prepare_base(model), make_server_data(load_corpus(cfg.corpus), tok, cfg.data),
+    return ServerContext(runtime.prepare_base(model), make_server_data(load_corpus(cfg.corpus), tok, cfg.data,
+                                                                      public_corpus_of(cfg)),
                          runtime, out, seed)
 
 

@@ -8,6 +8,7 @@ a GPU job). small: the scale of bench/reproduce.py --scale small (~25 min per 6 
 cores). Both on the built-in offline corpora with SmolLM2-135M; for the paper's own data use
 model=gpt2 corpus=ag_news ... (see configs/table1-*.yaml).
 """
+import copy
 from pathlib import Path
 
 import yaml
@@ -133,10 +134,13 @@ DEEPFUSION_SCALES = {
     # 2 CPU cores (measured: devices 16-26 min, once; 9-14 min a server phase; FedJETS 21 min,
     # central 23 min): N = 8 devices, 30 local steps of 4 x 128 tokens (full fine-tuning, lr 1e-4),
     # K = 4 domains, 30 KD and 30 MoE-tuning steps on the public data
-    "cpu": dict(clients=[8], local_steps=30, kd_steps=30, tune_steps=30, test_tokens=2048, fedjets_rounds=3),
+    # Table II on 10 questions per domain, answers scored on their first 32 tokens (greedy generation
+    # is the slow part on a CPU)
+    "cpu": dict(clients=[8], local_steps=30, kd_steps=30, tune_steps=30, test_tokens=2048, fedjets_rounds=3,
+                answer_examples=10, answer_tokens=32),
     # the paper's scales N = 16..128 (Sec. V-A); step counts are ours (the paper gives none): a GPU job
     "paper": dict(clients=[16, 32, 64, 128], local_steps=200, kd_steps=500, tune_steps=500, test_tokens=16384,
-                  fedjets_rounds=10),
+                  fedjets_rounds=10, answer_examples=50, answer_tokens=128),
 }
 # heterogeneous on-device LMs that read SmolLM2's token ids (models/devices.py): SmolLM2 and its
 # depth- and width-pruned variants (held-out loss 3.10 / 3.97 / 4.34 / 5.55 nats, bench/prune_quality.py: usable
@@ -144,6 +148,9 @@ DEEPFUSION_SCALES = {
 # randomly initialised small GPT-2 (an architecture VAA must bridge)
 DEEPFUSION_DEVICES = {"cpu": ["base", "prune:24:1536", "prune:30:1024", "prune:20:1536"],
                       "paper": ["base", "prune:24:1536", "prune:30:1024", "prune:20:1536", "random-gpt2:6:384"]}
+
+
+DEEPFUSION_HETERO_DEVICES = ["prune:24:1536:448", "prune:30:1024:384", "prune:20:1536:512", "prune:16:1024:320"]
 
 
 DEEPFUSION_CASES = {"qa-choice": "multiple-choice QA over 5 domains (MMedBench's role)",
@@ -165,9 +172,11 @@ def deepfusion_configs() -> None:
             cfg = dict(model="smollm2-135m", corpus=case, methods=methods,
                        seeds=[42] if scale == "cpu" else [42, 62, 82],
                        **({"precision": "bf16"} if scale == "paper" else {}),
-                       data=dict(clients=n, alpha=0.1, public_frac=0.1, test_tokens=s["test_tokens"]),
+                       data=dict(clients=n, alpha=0.1, public_frac=0.1, test_tokens=s["test_tokens"],
+                                 answer_examples=s["answer_examples"]),
                        train=dict(rounds=1, local_steps=s["local_steps"], batch_size=4, seq_len=128, lr=1e-4,
-                                  weight_decay=0.0, betas=[0.9, 0.999], eval_splits=["test"]),
+                                  weight_decay=0.0, betas=[0.9, 0.999], eval_splits=["test"],
+                                  max_new_tokens=s["answer_tokens"]),
                        deepfusion=dict(devices=DEEPFUSION_DEVICES[scale], experts=4, top_k=2,
                                        kd_steps=s["kd_steps"], tune_steps=s["tune_steps"],
                                        # devices train once for deepfusion / fedkmt / ofa-kd (identical
@@ -179,6 +188,17 @@ def deepfusion_configs() -> None:
             write(ROOT / "deepfusion" / f"{scale}-{case}-n{n}.yaml",
                   f"DeepFusion Tables I-II / Fig. 7-9, {what}, N = {n} devices; {scale} scale "
                   f"(scripts/make_configs.py).\nRun: comix compare configs/deepfusion/{scale}-{case}-n{n}.yaml", cfg)
+            if scale == "cpu" and case == "qa-open":
+                # the paper's premise at CPU scale: devices narrower and shallower than the student
+                # (width-pruned SmolLM2s: VAA must bridge 320-512 to 576 channels) and public data of
+                # none of the test domains (the built-in literature text)
+                hetero = copy.deepcopy(cfg)
+                hetero["deepfusion"]["devices"] = DEEPFUSION_HETERO_DEVICES
+                hetero["data"].update(public_corpus="topics", public_categories=["literature"])
+                write(ROOT / "deepfusion" / f"{scale}-{case}-hetero-n{n}.yaml",
+                      f"DeepFusion, {what}, N = {n} devices narrower than the student, public data from "
+                      f"another source; {scale} scale (scripts/make_configs.py).\n"
+                      f"Run: comix compare configs/deepfusion/{scale}-{case}-hetero-n{n}.yaml", hetero)
 
 
 def write(path: Path, comment: str, cfg: dict) -> None:

@@ -513,7 +513,7 @@ def test_recipes_give_fedjets_devices_the_one_shot_devices_step_budget():
     from comix.config import load_config
     from comix.runner import spec_config, split_spec
     recipes = sorted((Path(__file__).parents[1] / "configs" / "deepfusion").glob("*.yaml"))
-    assert len(recipes) == 10
+    assert len(recipes) == 11
     for path in recipes:
         cfg = load_config(str(path))
         assert {split_spec(m)[0] for m in cfg.methods} == {"deepfusion", "deepfusion-ce", "fedkmt", "ofa-kd", "fedjets",
@@ -695,3 +695,24 @@ def test_generated_answer_accuracy_counts_reference_tokens_the_greedy_answer_mat
             return {"input_ids": [len(w) for w in text.split()]}
     got = answer_pairs(["Question: what is up\nAnswer: the sky", "no marker here"], Tok(), 5)
     assert len(got) == 1 and got[0][0].tolist() == [9, 4, 2, 2, 7] and got[0][1].tolist() == [3, 3]
+
+
+def test_public_data_from_another_corpus_and_a_bad_category_in_one_line(tmp_path, capsys):
+    from comix.cli import main
+    from comix.data.splits import SplitConfig, make_server_data
+    from comix.models import load_base_model
+    data, other = _domains(tmp_path / "data"), tmp_path / "other"
+    (other / "lit").mkdir(parents=True)
+    for i in range(3):
+        (other / "lit" / f"{i}.txt").write_text("in the beginning was the word " * 20)
+    tok = load_base_model("tiny-llama")[1]
+    from comix.data import load_corpus
+    cfg = SplitConfig(public_frac=0.2, public_corpus=str(other), public_categories=["lit"])
+    server = make_server_data(load_corpus(str(data)), tok, cfg, load_corpus(str(other)))
+    assert list(server.public) == ["public:lit"] and set(server.test) == {"med", "fin", "code"}
+    from comix.data.splits import tokenize_docs
+    assert torch.equal(server.public["public:lit"], tokenize_docs(load_corpus(str(other))["lit"], tok))
+    assert main(["run", f"corpus={data}", f"run_dir={tmp_path / 'run'}", *DF, "methods=[deepfusion]",
+                 f"data.public_corpus={other}", "data.public_categories=[poems]"]) == 2
+    assert "data.public_categories: ['poems'] not in data.public_corpus" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

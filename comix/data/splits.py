@@ -50,6 +50,10 @@ class SplitConfig:
     # DeepFusion (Sec. IV-C): share of each category's documents held out as the server's *public*
     # data, which no device ever holds; the server's test set is each category's test split
     public_frac: float = 0.0
+    # the server's public data from another corpus (its ``public_categories``, default all), e.g.
+    # text of none of the test domains, instead of the test domains' public_frac share
+    public_corpus: str = ""
+    public_categories: list[str] | None = None
     # DeepFusion Table II: the server's test questions ("...\nAnswer: ...") whose generated answers
     # are scored token by token against the reference, at most this many per domain
     answer_examples: int = 50
@@ -166,10 +170,11 @@ def answer_pairs(docs: list[str], tokenizer, limit: int) -> list[tuple[torch.Ten
     return out
 
 
-def make_server_data(corpus: Corpus, tokenizer, cfg: SplitConfig) -> ServerData | None:
+def make_server_data(corpus: Corpus, tokenizer, cfg: SplitConfig, public_corpus: Corpus | None = None) -> ServerData | None:
     """The server's data of ``corpus`` under ``cfg`` (None unless ``data.public_frac`` > 0): the
     same per-category document split ``make_user_data`` makes, so it is disjoint from every
-    device's training data; test streams capped at ``test_tokens``."""
+    device's training data; test streams capped at ``test_tokens``. With ``public_corpus``
+    (``data.public_corpus``) the public data is that corpus's ``public_categories`` instead."""
     if not cfg.public_frac:
         return None
     if hasattr(corpus, "examples"):
@@ -183,6 +188,8 @@ def make_server_data(corpus: Corpus, tokenizer, cfg: SplitConfig) -> ServerData 
         pairs = answer_pairs(te, tokenizer, cfg.answer_examples)
         if pairs:
             answers[n] = pairs
+    if public_corpus is not None:  # (its categories were checked before the model loaded: runner.py)
+        public = {f"public:{n}": tokenize_docs(public_corpus[n], tokenizer) for n in cfg.public_categories or public_corpus}
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return ServerData(public, test, answers, pad_id=pad or 0, eos_id=tokenizer.eos_token_id)
 
