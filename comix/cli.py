@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -49,6 +50,50 @@ def results_summary(results: list[dict]) -> str:
 RUN_DIR: Path | None = None  # the run directory being written (named in the Ctrl-C message)
 
 
+CONFIG_LOCK = "config.lock.json"  # the settings a run started with: --resume must match them
+RESUME_MAY_CHANGE = {"threads", "keep_checkpoints", "run_dir"}  # change no number of the run
+
+
+def flat_config(cfg) -> dict:
+    """Every config key as a dotted name -> its JSON value."""
+    from .config import to_dict
+
+    def walk(d, prefix=""):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                yield from walk(v, f"{prefix}{k}.")
+            else:
+                yield f"{prefix}{k}", v
+    return json.loads(json.dumps(dict(walk(to_dict(cfg))), default=str))
+
+
+def check_resume_config(run_dir: Path, cfg) -> None:
+    """--resume continues the run it names, not another: the config (config.yaml with the
+    command line's overrides) must equal the one the run started with, but for keys that change
+    no number (threads, keep_checkpoints). One line naming every differing key."""
+    lock = run_dir / CONFIG_LOCK
+    if not lock.exists():  # a run started before this check existed
+        return
+    started, now = json.loads(lock.read_text()), flat_config(cfg)
+    diff = sorted(k for k in started.keys() | now.keys() if k not in RESUME_MAY_CHANGE and started.get(k) != now.get(k))
+    if diff:
+        shown = ", ".join(f"{k} ({started.get(k)!r} -> {now.get(k)!r})" for k in diff[:4])
+        raise ValueError(f"--resume {run_dir}: the config differs from the one the run started with: {shown}"
+                         f"{f' and {len(diff) - 4} more' if len(diff) > 4 else ''}; resume with the run's own "
+                         "settings, or start a new run")
+
+
+def check_writable(run_dir: Path) -> None:
+    """The run directory can be made and written, checked before anything loads."""
+    parent = run_dir
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"run_dir {run_dir}: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"run_dir {run_dir}: {parent} is not writable")
+
+
 def _prepare(args, default_name: str):
     """Load (or, with --resume, reload) the config and load data and model; only then create the
     run directory with config.yaml, so a bad input leaves nothing behind."""
@@ -62,6 +107,7 @@ def _prepare(args, default_name: str):
         if not (run_dir / "config.yaml").exists():
             raise ValueError(f"--resume: {run_dir} holds no config.yaml (not a comix run directory)")
         cfg = load_config(str(run_dir / "config.yaml"), args.overrides)
+        check_resume_config(run_dir, cfg)
         RUN_DIR = run_dir
         return (cfg, run_dir, *load_inputs(cfg))
     cfg = load_config(args.config, args.overrides)
@@ -73,10 +119,13 @@ def _prepare(args, default_name: str):
     stamp = time.strftime("%Y%m%d-%H%M%S")
     run_dir = Path(cfg.run_dir or f"runs/{default_name}{cfg.corpus.strip('/').split('/')[-1]}-{stamp}")
     cfg.run_dir = str(run_dir)
+    check_writable(run_dir)
     loaded = load_inputs(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     RUN_DIR = run_dir
     text = yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    lock = json.dumps(flat_config(cfg), indent=1)
+    atomic_write(run_dir / CONFIG_LOCK, lambda p: Path(p).write_text(lock))
     atomic_write(run_dir / "config.yaml", lambda p: Path(p).write_text(text))
     from .data import describe_partition
     part = json.dumps(describe_partition(loaded[2]), indent=1)  # the same for every method of the run
@@ -260,8 +309,18 @@ def config_help() -> str:
     return "\n".join(lines)
 
 
+def _resume_hint(args) -> str:
+    """After a run has started (its directory exists), how to continue it."""
+    if RUN_DIR is not None and args.cmd in ("run", "compare") and (RUN_DIR / "config.yaml").exists():
+        return f"; continue with: comix {args.cmd} --resume {RUN_DIR}"
+    return ""
+
+
 def main(argv=None) -> int:
+    global RUN_DIR
     from . import __version__
+
+    RUN_DIR = None
 
     ap = argparse.ArgumentParser(prog="comix", description="Collaborative fine-tuning with mixtures of LoRA experts")
     ap.add_argument("--version", action="version", version=f"comix {__version__}")
@@ -310,8 +369,12 @@ def main(argv=None) -> int:
                 "flower-demo": cmd_flower_demo, "flower-certs": cmd_flower_certs,
                 "flower-key": cmd_flower_key}[args.cmd](args)
     except (ValueError, FileNotFoundError) as err:
-        print(f"comix: error: {err}", file=sys.stderr)
+        print(f"comix: error: {err}" + _resume_hint(args), file=sys.stderr)
         return 2
+    except OSError as err:  # an unwritable or full disk, a path through a file: one line, never a traceback
+        what = f"{err.strerror or err}" + (f": {err.filename}" if err.filename else "")
+        print(f"comix: error: {what}" + _resume_hint(args), file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         if RUN_DIR is not None and args.cmd in ("run", "compare"):
             print(f"\ncomix: interrupted; continue with: comix {args.cmd} --resume {RUN_DIR}", file=sys.stderr)

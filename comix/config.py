@@ -95,6 +95,11 @@ class RunConfig:
         for m in self.methods:
             if m.split(":")[0] not in METHODS:
                 raise ConfigError(f"methods: unknown method {m!r} (allowed: {', '.join(METHODS)})")
+        if not isinstance(self.threads, int) or self.threads < 0:
+            raise ConfigError(f"threads must be >= 0 (0 = torch's default), got {self.threads}")
+        for key in ("lr", "router_lr"):
+            if not getattr(self.train, key) > 0:
+                raise ConfigError(f"train.{key} must be > 0, got {getattr(self.train, key)}")
         if self.engine not in ("inprocess", "flower-sim"):
             raise ConfigError(f"engine must be inprocess or flower-sim, got {self.engine!r}")
         t = self.train
@@ -192,7 +197,9 @@ def load_config(path: str | None = None, overrides: list[str] = (), text: str | 
         try:
             raw = yaml.safe_load(text) or {}
         except yaml.YAMLError as err:
-            raise ConfigError(f"{where} is not valid YAML ({str(err).splitlines()[0]})") from None
+            mark = getattr(err, "problem_mark", None)
+            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            raise ConfigError(f"{where} is not valid YAML{at}: {getattr(err, 'problem', None) or str(err).splitlines()[0]}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{where} must hold a mapping of keys")
         for k, v in raw.items():

@@ -101,6 +101,10 @@ def load_inputs(cfg: RunConfig):
             raise ValueError(f"{spec} needs the server's own public and test data: set data.public_frac (e.g. 0.1)")
     public = public_corpus_of(cfg)  # its categories checked before the model loads
     model, tok = load_base_model(cfg.model, dropout=cfg.dropout)
+    context = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+    if context and cfg.train.seq_len > context:
+        raise ValueError(f"train.seq_len = {cfg.train.seq_len} exceeds the context of model {cfg.model} "
+                         f"({context} tokens)")
     users = make_user_data(corpus, tok, cfg.data)
     check_seq_len(users, cfg.train.seq_len)
     server_data = make_server_data(corpus, tok, cfg.data, public)  # None unless data.public_frac

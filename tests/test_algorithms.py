@@ -82,7 +82,7 @@ NAME_RULE = {"ffa-lora": lambda n: n.endswith("lora_B"), "fedsa-lora": lambda n:
 
 # DeepFusion and its baselines send whole device models: tests/test_deepfusion.py asserts what each
 # device sends (its own model and data embedding; FedJETS: its compact MoE's weights)
-ONE_SHOT = ("deepfusion", "fedkmt", "ofa-kd", "central-moe", "fedjets")
+ONE_SHOT = ("deepfusion", "deepfusion-ce", "fedkmt", "ofa-kd", "central-moe", "fedjets")
 
 
 @pytest.mark.parametrize("method", [m for m in METHODS if m not in ("pretrained", "centralized", *ONE_SHOT)])

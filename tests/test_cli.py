@@ -1,5 +1,6 @@
 import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -63,7 +64,7 @@ def test_bad_inputs_name_the_culprit(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     data = _user_dirs(tmp_path / "data")
     assert main(["run", "model=tiny-llama", f"corpus={data}", "train.seq_len=100000"]) == 2
-    assert "seq_len 100000 is longer than" in capsys.readouterr().err
+    assert "train.seq_len = 100000 exceeds the context of model tiny-llama" in capsys.readouterr().err
 
 
 def test_bad_inputs_fail_before_the_model_loads_and_leave_no_run_directory(tmp_path, capsys, monkeypatch):
@@ -190,3 +191,74 @@ def test_many_clients_read_as_rows_and_the_console_shows_a_summary(tmp_path, cap
     assert "| client11 |" in md
     assert (run / "curves.png").exists() and not (run / "curves_per_user.png").exists()
     assert not (run / "global-model.png").exists()  # no global model was scored
+
+
+# -- issue K: every failure one line, resume strict ------------------------------------------------
+def _fails(capsys, argv, message, code=2):
+    from comix.cli import main
+    assert main(argv) == code
+    err = capsys.readouterr().err.strip().splitlines()
+    # one line of error (a run that had started printed its header first), never a traceback
+    assert err[-1].startswith("comix: error: ") and message in err[-1], err
+    assert not any("Traceback" in ln or ln.startswith("comix: error") for ln in err[:-1]), err
+    return err[-1]
+
+
+def test_bad_values_name_their_key_before_anything_loads(tmp_path, capsys):
+    run = tmp_path / "run"
+    for override, message in (("threads=-3", "threads must be >= 0 (0 = torch's default), got -3"),
+                              ("train.lr=-1", "train.lr must be > 0, got -1"),
+                              ("data.alpha=-1", "data.alpha must be > 0, got -1"),
+                              ("train.seq_len=300", "train.seq_len = 300 exceeds the context of model tiny-llama (256")):
+        _fails(capsys, ["run", "model=tiny-llama", f"run_dir={run}", "methods=[local]", override], message)
+        assert not run.exists()
+    (tmp_path / "bad.yaml").write_text("model: tiny-llama\ntrain: {rounds: 2\n")
+    _fails(capsys, ["run", str(tmp_path / "bad.yaml")], "is not valid YAML at line 3, column 1")
+    (tmp_path / "file").write_text("x")
+    _fails(capsys, ["run", "model=tiny-llama", f"run_dir={tmp_path / 'file' / 'run'}"], "is a file, not a directory")
+
+
+def test_a_non_utf8_user_file_is_named(tmp_path, capsys):
+    for u in ("a", "b"):
+        (tmp_path / "data" / u).mkdir(parents=True)
+        (tmp_path / "data" / u / "0.txt").write_text("words " * 50)
+    (tmp_path / "data" / "b" / "1.txt").write_bytes(b"ok \xff\xfe bad")
+    _fails(capsys, ["run", "model=tiny-llama", f"corpus={tmp_path / 'data'}", f"run_dir={tmp_path / 'run'}"],
+           f"{tmp_path / 'data' / 'b' / '1.txt'} is not UTF-8 text (byte 0xff at offset 3)")
+
+
+def test_resume_refuses_a_changed_config_and_a_corrupt_checkpoint(tmp_path, capsys):
+    from comix.cli import main
+    run = tmp_path / "run"
+    base = ["run", "model=tiny-llama", f"run_dir={run}", "methods=[local]", "train.rounds=2", "train.local_steps=1",
+            "train.batch_size=2", "train.seq_len=32", "data.valid_tokens=256", "data.test_tokens=256", "keep_checkpoints=true"]
+    assert main(base) == 0
+    capsys.readouterr()
+    line = _fails(capsys, ["run", "--resume", str(run), "lora.r=4"], "the config differs from the one the run started with")
+    assert "lora.r (8 -> 4)" in line
+    text = (run / "config.yaml").read_text().replace("rounds: 2", "rounds: 3")
+    (run / "config.yaml").write_text(text)
+    assert "train.rounds (2 -> 3)" in _fails(capsys, ["run", "--resume", str(run)], "differs")
+    (run / "config.yaml").write_text(text.replace("rounds: 3", "rounds: 2"))
+    (run / "local" / "results.json").unlink()  # unfinished: resume reads its checkpoint
+    ckpt = run / "local" / "checkpoint.pt"
+    ckpt.write_bytes(ckpt.read_bytes()[:1000])
+    _fails(capsys, ["run", "--resume", str(run), "threads=1"], f"checkpoint {ckpt} is corrupt")
+
+
+def test_a_full_disk_while_writing_says_so_and_keeps_the_previous_file(tmp_path):
+    import errno
+
+    from comix.engines.device import atomic_write
+    target = tmp_path / "checkpoint.pt"
+    target.write_text("previous")
+
+    def full(p):
+        Path(p).write_text("half")
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 522752 vs 522640")
+    with pytest.raises(OSError) as info:
+        atomic_write(target, full)
+    assert info.value.errno == errno.ENOSPC and "no space left" in str(info.value) and "intact" in str(info.value)
+    assert target.read_text() == "previous" and [f.name for f in tmp_path.iterdir()] == ["checkpoint.pt"]
+    with pytest.raises(RuntimeError, match="boom"):  # any other failure is not dressed up as a full disk
+        atomic_write(target, lambda p: (_ for _ in ()).throw(RuntimeError("boom")))

@@ -119,11 +119,18 @@ def user_folder(folder: str | Path) -> list[str]:
     ``{"text": ...}`` document per line."""
     folder = Path(folder)
     docs = []
+
+    def read(f: Path) -> str:
+        try:
+            return f.read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{f} is not UTF-8 text (byte {err.object[err.start]:#04x} at offset {err.start}); "
+                             "convert it (e.g. iconv -t UTF-8) or remove it") from None
     for f in sorted(folder.rglob("*")):
         if f.suffix == ".txt":
-            docs.append(f.read_text(encoding="utf-8"))
+            docs.append(read(f))
         elif f.suffix == ".jsonl":
-            for i, line in enumerate(f.read_text(encoding="utf-8").splitlines()):
+            for i, line in enumerate(read(f).splitlines()):
                 if line.strip():
                     try:
                         docs.append(json.loads(line)["text"])

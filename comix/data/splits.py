@@ -65,8 +65,11 @@ class SplitConfig:
             raise ValueError("data.max_len must be >= 8, data.valid_examples and data.test_examples >= 1")
         if self.answer_examples < 0:
             raise ValueError(f"data.answer_examples must be >= 0, got {self.answer_examples}")
-        if self.clients < 0 or self.alpha <= 0 or (self.client_train_tokens is not None and self.client_train_tokens < 2):
-            raise ValueError("data.clients must be >= 0, data.alpha > 0 and data.client_train_tokens >= 2")
+        for key, ok, want in (("clients", self.clients >= 0, ">= 0"), ("alpha", self.alpha > 0, "> 0"),
+                              ("client_train_tokens", self.client_train_tokens is None or self.client_train_tokens >= 2,
+                               ">= 2")):
+            if not ok:
+                raise ValueError(f"data.{key} must be {want}, got {getattr(self, key)}")
         if self.clients and (self.mode != "in" or self.train_tokens is not None):
             raise ValueError("data.clients (a Dirichlet partition) takes neither data.mode=ood nor data.train_tokens")
         if self.mode not in ("in", "ood"):

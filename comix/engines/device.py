@@ -11,8 +11,10 @@ Private state (adapters incl. specialists and routers, optimizer moments, RNG) l
 """
 from __future__ import annotations
 
+import errno
 import math
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -40,6 +42,13 @@ def atomic_write(path: Path, write: Callable[[str], None]) -> None:
     try:
         write(tmp)
         os.replace(tmp, path)
+    except (OSError, RuntimeError) as err:
+        # a full disk surfaces as ENOSPC, or from torch.save as "unexpected pos ..." (its zip writer)
+        free = shutil.disk_usage(path.parent).free
+        if getattr(err, "errno", None) == errno.ENOSPC or free < 2**20 or "unexpected pos" in str(err):
+            raise OSError(errno.ENOSPC, f"no space left on the device of {path.parent} ({free / 2**20:.1f} MB free) "
+                          f"while writing {path.name}; the previous {path.name}, if any, is intact") from None
+        raise
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

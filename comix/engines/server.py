@@ -71,7 +71,11 @@ def serve(algorithm: Algorithm, transport: Transport, users: list[str], out_dir:
 
     start = 0
     if resume and ckpt_path.exists():
-        ck = torch.load(ckpt_path, weights_only=False)
+        try:
+            ck = torch.load(ckpt_path, weights_only=False)
+        except Exception as err:  # truncated or damaged: torch raises RuntimeError, EOFError, pickle errors
+            raise ValueError(f"checkpoint {ckpt_path} is corrupt ({str(err).splitlines()[0][:80]}); delete it to "
+                             f"run {algorithm.name} again from round 1, or restore it") from None
         start, server_state, payloads, reference = ck["round"], ck["server_state"], ck["payloads"], ck["reference"]
         transport.restore(ck["clients"])
         torch.set_rng_state(ck["torch_rng"])
