@@ -99,7 +99,7 @@ def _prepare(args, default_name: str):
     run directory with config.yaml, so a bad input leaves nothing behind."""
     global RUN_DIR
     from .config import load_config, to_dict
-    from .engines.device import atomic_write
+    from .files import atomic_write
     from .runner import load_inputs
 
     if args.resume:
@@ -135,7 +135,7 @@ def _prepare(args, default_name: str):
 
 def cmd_run(args) -> int:
     from .compare import metric_title
-    from .engines.device import atomic_write
+    from .files import atomic_write
     from .runner import run_spec, spec_dirname
 
     console = _console()
@@ -158,7 +158,7 @@ def cmd_run(args) -> int:
 def cmd_compare(args) -> int:
     from .compare import (MANY_USERS, collect, curves, global_model_tables, metric_title, overhead_table,
                           plot_assignment, plot_curves, plot_global_model, references, summary_tables)
-    from .engines.device import atomic_write
+    from .files import atomic_write
     from .runner import run_spec, spec_dirname
 
     console = _console()

@@ -112,7 +112,7 @@ def plot_curves(data: dict, path: Path, per_user: bool, refs: dict | None = None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .engines.device import atomic_write
+    from .files import atomic_write
 
     users = sorted({u for by_user in data.values() for u in by_user})
     if not users or (per_user and len(users) > MANY_USERS):  # untrained methods only (Pretrained): no curve
@@ -193,7 +193,7 @@ def plot_assignment(run_dir: Path, spec: str, seed: int, path: Path) -> bool:
     import matplotlib.pyplot as plt
     import torch
 
-    from .engines.device import atomic_write
+    from .files import atomic_write
 
     shown = [rows[0], rows[-1]] if len(rows) > 1 else rows
     fig, axes = plt.subplots(len(shown), 2, figsize=(11, 3.4 * len(shown)), squeeze=False,
@@ -290,7 +290,7 @@ def plot_global_model(run_dir: Path, results: dict[str, dict[int, dict]], seeds:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .engines.device import atomic_write
+    from .files import atomic_write
 
     def mean_over(by, key):
         return statistics.fmean(statistics.fmean(v[key] for v in r["per_user"].values()) for r in by.values())

@@ -163,7 +163,7 @@ def run_spec(cfg, spec: str, seed: int, out: Path, model, users, console, server
     if cfg.engine == "flower-sim" and algo.trains and not algo.pooled:
         from .config import to_dict
         from .engines.flower.simulation import simulate
-        from .engines.device import atomic_write
+        from .files import atomic_write
         recipe = out.parent / f".{out.name}.flower-sim.yaml"
         text = yaml.safe_dump(to_dict(cfg), sort_keys=False)
         atomic_write(recipe, lambda p: Path(p).write_text(text))

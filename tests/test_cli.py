@@ -249,7 +249,7 @@ def test_resume_refuses_a_changed_config_and_a_corrupt_checkpoint(tmp_path, caps
 def test_a_full_disk_while_writing_says_so_and_keeps_the_previous_file(tmp_path):
     import errno
 
-    from comix.engines.device import atomic_write
+    from comix.files import atomic_write
     target = tmp_path / "checkpoint.pt"
     target.write_text("previous")
 

@@ -41,6 +41,7 @@ from ..data import sample_batch
 from ..data.embed import MINILM, SentenceEncoder
 from ..eval.perplexity import split_token_stats
 from ..eval.tasks import generated_token_accuracy
+from ..files import atomic_write
 from ..models.base import tokenizer_source
 from ..models.devices import build_device_model, parse_device_spec
 from ..models.upcycle import expert_params, upcycle
@@ -555,7 +556,6 @@ def save_device_upload(key: str, upload: Tensors, metrics: dict, rng: torch.Tens
 
     from safetensors.torch import save_file
 
-    from ..engines.device import atomic_write  # the engines import the algorithms: imported at use
     tensors = {**{f"upload.{n}": t.contiguous() for n, t in upload.items()}, "rng": rng.contiguous()}
     atomic_write(device_cache_path(key), lambda p: save_file(tensors, p, metadata={"metrics": json.dumps(metrics)}))
 

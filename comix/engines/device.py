@@ -11,14 +11,9 @@ Private state (adapters incl. specialists and routers, optimizer moments, RNG) l
 """
 from __future__ import annotations
 
-import errno
 import math
-import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn
@@ -31,27 +26,8 @@ from ..eval.tasks import split_accuracy, split_response_nll, split_rouge_l
 from ..models import mixtures, routing_stats, set_record_stats
 from ..models.amole import AMoLELinear
 from ..models.lora import LoRALinear, LoRAWeights
+from ..files import atomic_write
 from ..runtime import Runtime
-
-
-def atomic_write(path: Path, write: Callable[[str], None]) -> None:
-    """Write through a temp file in the same directory, then rename: never a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except (OSError, RuntimeError) as err:
-        # a full disk surfaces as ENOSPC, or from torch.save as "unexpected pos ..." (its zip writer)
-        free = shutil.disk_usage(path.parent).free
-        if getattr(err, "errno", None) == errno.ENOSPC or free < 2**20 or "unexpected pos" in str(err):
-            raise OSError(errno.ENOSPC, f"no space left on the device of {path.parent} ({free / 2**20:.1f} MB free) "
-                          f"while writing {path.name}; the previous {path.name}, if any, is intact") from None
-        raise
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def fresh_adapters(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:

@@ -23,7 +23,8 @@ from ..data import UserData
 from ..models import inject_adapters
 from ..models.mixture import set_compiled
 from ..runtime import Runtime
-from .device import Device, RoundStore, StateStore, atomic_write, evaluate
+from ..files import atomic_write
+from .device import Device, RoundStore, StateStore, evaluate
 from .server import finish_run, serve
 
 

@@ -29,7 +29,7 @@ import torch
 
 from ..algorithms import Algorithm, tensor_bytes
 from ..algorithms.base import Tensors
-from .device import atomic_write
+from ..files import atomic_write
 
 log = logging.getLogger("comix.server")
 

@@ -1,0 +1,30 @@
+"""Writing files so that nothing is ever half-made: one helper every layer may use (data,
+models, algorithms, engines, the CLI), so no layer reaches into a higher one for it."""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+
+def atomic_write(path: Path, write: Callable[[str], None]) -> None:
+    """Write through a temp file in the same directory, then rename: never a half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as err:
+        # a full disk surfaces as ENOSPC, or from torch.save as "unexpected pos ..." (its zip writer)
+        free = shutil.disk_usage(path.parent).free
+        if getattr(err, "errno", None) == errno.ENOSPC or free < 2**20 or "unexpected pos" in str(err):
+            raise OSError(errno.ENOSPC, f"no space left on the device of {path.parent} ({free / 2**20:.1f} MB free) "
+                          f"while writing {path.name}; the previous {path.name}, if any, is intact") from None
+        raise
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
