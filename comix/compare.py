@@ -12,6 +12,7 @@ Fig. 9; FedAMoLE Fig. 5's MTA[t] when it is accuracy or Rouge-L) and per-user cu
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -202,11 +203,17 @@ def plot_assignment(run_dir: Path, spec: str, seed: int, path: Path) -> bool:
         module = row["relevance"]["module"]
         # each expert's preference over clients, P = softmax over clients of s (eq. 28): the
         # column-wise softmax removes what differs between experts only (their embedding norms)
-        probs = torch.softmax(torch.tensor(row["relevance"]["s"]), dim=0)
-        im = heat.imshow(probs.numpy(), aspect="auto", cmap="viridis")
-        fig.colorbar(im, ax=heat, fraction=0.03)
+        probs = torch.softmax(torch.tensor(row["relevance"]["s"], dtype=torch.float64), dim=0)
+        # drawn as the distance from uniform (1 / N), which is what the MILP's choice rests on; the
+        # colour bar in plain numbers with the scale in its label (no offset notation)
+        dev = probs - 1 / probs.shape[0]
+        scale = 10 ** math.floor(math.log10(float(dev.abs().max()) or 1.0))
+        im = heat.imshow((dev / scale).numpy(), aspect="auto", cmap="coolwarm")
+        bar = fig.colorbar(im, ax=heat, fraction=0.03)
+        bar.formatter.set_useOffset(False)
+        bar.set_label(f"P - 1/N (x {scale:.0e})", fontsize=7)
         heat.set_title(f"round {row['round']}: selection probability P = softmax over clients of relevance, "
-                       f"{module}", fontsize=8)
+                       f"{module}; max |P - 1/N| = {float(dev.abs().max()):.1e}", fontsize=8)
         heat.set_xlabel("domain expert (global id)")
         heat.set_ylabel("client")
         counts = row["experts_per_client"][module]

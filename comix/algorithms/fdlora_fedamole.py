@@ -25,6 +25,7 @@ fusion, score), so FDLoRA trains exactly as many local steps as every other meth
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import numpy as np
 import torch
@@ -103,7 +104,9 @@ class FDLoRAFedAMoLE(FedIT):
 
         param = ng.p.Array(init=np.zeros(2), lower=-1.5, upper=1.5)
         param.random_state = np.random.RandomState(gen.initial_seed() % 2**32)
-        found = ng.optimizers.NGOpt(parametrization=param, budget=self.budget).minimize(objective).value
+        with warnings.catch_warnings():  # NGOpt's inner COBYLA warns about its own step sizes
+            warnings.simplefilter("ignore", UserWarning)
+            found = ng.optimizers.NGOpt(parametrization=param, budget=self.budget).minimize(objective).value
         ctx.model.train(was_training)
         return float(found[0]), float(found[1])
 

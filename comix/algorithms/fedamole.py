@@ -339,8 +339,8 @@ class FedAMoLE(Algorithm):
                 # how far the selection probabilities are from uniform (1 / N): near 0, the MILP's
                 # choice rests on tiny differences (issue I, item 6)
                 dev = float((info["probs"] - 1 / self.n_clients).abs().max())
-                report["p_max_dev"] = max(report.get("p_max_dev", 0.0), dev)
-                if "relevance" not in report:  # Fig. 8: one module's relevance and probabilities
+                if dev >= report.get("p_max_dev", -1.0):  # Fig. 8: the module whose choice is least arbitrary
+                    report["p_max_dev"] = dev
                     report["relevance"] = {"module": m, "s": info["relevance"].tolist(),
                                            "p": info["probs"].tolist()}
             report["experts_per_client"][m] = st["assignment"][m].sum(1).tolist()
