@@ -94,11 +94,14 @@ class FedAMoLE(Algorithm):
         check_feasible(pool, n_clients, k_c, *self.bounds)  # one line naming the numbers, before training
         self.k_c, self.beta, self.assignment, self.solver = k_c, beta, assignment, solver
         self.embed_frac, self.embed_examples, self.embed_noise = embed_frac, embed_examples, embed_noise
-        # the relevance uses the layer's own score scale (eq. 10 and 26 share sqrt(d))
-        self.scale_dim = (lambda d_in: d_in) if self.cfg.score_scale == "d" else (lambda d_in: self.cfg.r)
 
     def adapter_config(self, client: int) -> AdapterConfig:
         return AdapterConfig(attention=False, mlp="none", amole=self.cfg)
+
+    def scale_dim(self, d_in: int) -> int:
+        """The relevance's scale is the layer's own (eq. 10 and 26 share sqrt(d); sqrt(r) in the
+        authors' layer.py and node.py alike)."""
+        return d_in if self.cfg.score_scale == "d" else self.cfg.r
 
     def is_shared(self, name: str) -> bool:
         return name.startswith("rsea.") or ".shared.lora_" in name or name.endswith(".token_proj") \
