@@ -258,7 +258,7 @@ def test_fdlora_fedamole_fuses_every_round_on_held_out_data_and_scores_the_fusio
     assert len(seen) == algo.fusion_batches and all(t.data_ptr() == aux.data_ptr() for t in seen)
     # NGOpt from (0, 0) with budget 5, then the fusion it found builds the scored model:
     # w_s * shared + w_p * private, A and B alike, w in [-1.5, 1.5]
-    assert len(calls) == algo.budget + 1 and calls[0] == [0.0, 0.0]
+    assert 2 <= len(calls) <= algo.budget + 1 and calls[0] == [0.0, 0.0]
     w, private = calls[-1], state.extra["private"]
     assert all(abs(v) <= 1.5 for v in w)
     assert all(torch.allclose(scored[n], w[0] * payload[n] + w[1] * private[n]) for n in scored)

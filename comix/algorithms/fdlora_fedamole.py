@@ -115,9 +115,10 @@ class FDLoRAFedAMoLE(FedIT):
         if state.extra.get("fused"):  # after client_finish: the final fused model
             return state.adapters
         shared = self.apply_payload(ClientState(adapters=dict(state.adapters)), payload).adapters
+        # a client not yet sampled (client sampling) has no private copy yet: its own adapter stands in
+        private = state.extra.get("private", state.adapters)
         rnd = state.step // self.train.local_steps
-        weights = self.fusion_weights(ctx, shared, state.extra["private"], rnd)
-        return fuse_adapters(weights, shared, state.extra["private"])
+        return fuse_adapters(self.fusion_weights(ctx, shared, private, rnd), shared, private)
 
     def client_finish(self, ctx: ClientContext, state: ClientState, payload: Tensors) -> ClientState:
         state.adapters = self.personal_adapters(ctx, state, payload)
