@@ -136,7 +136,8 @@ def _prepare(args, default_name: str):
 def cmd_run(args) -> int:
     from .compare import metric_title
     from .files import atomic_write
-    from .runner import run_spec, spec_dirname
+    from .runner import run_spec
+    from .specs import spec_dirname
 
     console = _console()
     cfg, run_dir, model, _, users, table, server_data = _prepare(args, "")
@@ -159,7 +160,8 @@ def cmd_compare(args) -> int:
     from .compare import (MANY_USERS, collect, curves, global_model_tables, metric_title, overhead_table,
                           plot_assignment, plot_curves, plot_global_model, references, summary_tables)
     from .files import atomic_write
-    from .runner import run_spec, spec_dirname
+    from .runner import run_spec
+    from .specs import spec_dirname
 
     console = _console()
     cfg, run_dir, model, _, users, table, server_data = _prepare(args, "compare-")

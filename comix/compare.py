@@ -1,6 +1,6 @@
 """Run a grid of methods x seeds, resumably, and summarise it like the papers.
 
-Method specs (``hetlora:reg=0.05``) and running one spec live in ``comix.runner``.
+Method specs (``hetlora:reg=0.05``) live in ``comix.specs``, running one spec in ``comix.runner``.
 
 Layout: ``<run_dir>/seed<S>/<spec>/{metrics.jsonl,results.json,...}``; a finished run (its
 ``results.json`` exists) is skipped, an interrupted one resumes from its checkpoint. The summary
@@ -17,7 +17,7 @@ import statistics
 from pathlib import Path
 
 from .engines.server import task_score
-from .runner import spec_dirname
+from .specs import spec_dirname
 
 TITLES = {"test_ppl": "Test perplexity", "test_acc": "Test accuracy (%)", "test_rouge_l": "Test Rouge-L (%)",
           "test_score": "Test task score (accuracy or Rouge-L, %)"}

@@ -511,7 +511,7 @@ def test_recipes_give_fedjets_devices_the_one_shot_devices_step_budget():
     from pathlib import Path
 
     from comix.config import load_config
-    from comix.runner import spec_config, split_spec
+    from comix.specs import spec_config, split_spec
     recipes = sorted((Path(__file__).parents[1] / "configs" / "deepfusion").glob("*.yaml"))
     assert len(recipes) == 11
     for path in recipes:

@@ -7,7 +7,7 @@ import torch
 
 from comix.algorithms import TrainConfig, make_algorithm
 from comix.data import SplitConfig, make_user_data
-from comix.data.splits import dirichlet_mixtures
+from comix.data.partition import dirichlet_mixtures
 from comix.engines import run_method
 from comix.engines.server import sample_clients
 from comix.models import LoRAConfig, load_base_model

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from .corpora import BUILTIN_DIR
-from .splits import dirichlet_mixtures
+from .partition import dirichlet_mixtures
 
 ALPACA_INPUT = ("Below is an instruction that describes a task, paired with an input that provides further context. "
                 "Write a response that appropriately completes the request.\n\n"
@@ -188,38 +188,6 @@ class InstructionSet:
             raise ValueError(f"instruction set {self.name}: a classification set needs >= 2 choices")
         if not self.examples:
             raise ValueError(f"instruction set {self.name} holds no examples")
-
-
-def instruction_clients(iset: InstructionSet, tokenizer, cfg) -> list:
-    """Clients of ``iset`` as ``cfg`` (a SplitConfig) partitions it: ``task`` (one task per
-    client: ``data.users`` names them, else the ``data.clients`` largest, else all) or
-    ``dirichlet`` (``data.clients`` clients, ``data.alpha``); each split 80/10/10. The
-    partition depends only on the data and ``data.seed``: the same for every method."""
-    from .splits import UserData
-    classification = iset.task == "classification"
-    if cfg.partition == "task":
-        examples = iset.examples
-        if cfg.users:
-            unknown = sorted(set(cfg.users) - {ex.category for ex in examples})
-            if unknown:
-                raise ValueError(f"data.users names unknown task(s) {', '.join(unknown)} of {iset.name}")
-            examples = [ex for ex in examples if ex.category in cfg.users]
-        n = cfg.clients or len({ex.category for ex in examples})
-        parts = task_per_client(examples, n, cfg.seed)
-        names = [p[0].category for p in parts]
-    else:
-        if not cfg.clients:
-            raise ValueError("data.partition=dirichlet needs data.clients (the number of clients)")
-        parts = dirichlet_label_skew(iset.examples, cfg.clients, cfg.alpha, cfg.seed)
-        names = [f"client{i:0{len(str(cfg.clients - 1))}d}" for i in range(cfg.clients)]
-    users = []
-    for i, (name, part) in enumerate(zip(names, parts)):
-        if len(part) < 3:
-            raise ValueError(f"client {name} of {iset.name} has {len(part)} examples; need at least 3 to split")
-        split = client_splits(part, classification, cfg.seed * 1000 + i, cfg.valid_examples, cfg.test_examples)
-        tok = {k: tokenize_examples(v, tokenizer, cfg.max_len) for k, v in split.items()}
-        users.append(UserData(name, tok["train"], tok["valid"], tok["test"], task=iset.task, choices=iset.choices))
-    return users
 
 
 # -- real loaders (``datasets``); ``data_files``: a local copy with the hub dataset's schema ------------

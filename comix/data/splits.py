@@ -27,6 +27,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .corpora import Corpus
+from .instructions import (InstructionSet, client_splits, dirichlet_label_skew, task_per_client,
+                           tokenize_examples)
+from .partition import dirichlet_mixtures
 
 
 @dataclass
@@ -200,7 +203,6 @@ def make_server_data(corpus: Corpus, tokenizer, cfg: SplitConfig, public_corpus:
 def make_user_data(corpus: Corpus, tokenizer, cfg: SplitConfig | None = None) -> list[UserData]:
     cfg = cfg or SplitConfig()
     if hasattr(corpus, "examples"):  # an InstructionSet: clients of tokenised examples
-        from .instructions import instruction_clients
         return instruction_clients(corpus, tokenizer, cfg)
     names = cfg.users or list(corpus)
     for n in names:
@@ -234,13 +236,6 @@ def make_user_data(corpus: Corpus, tokenizer, cfg: SplitConfig | None = None) ->
                 evals[split] = torch.cat([parts[m][split][:per] for m in names])
         users.append(UserData(n, train, evals["valid"], evals["test"]))
     return users
-
-
-def dirichlet_mixtures(n_clients: int, n_categories: int, alpha: float, rng: torch.Generator) -> torch.Tensor:
-    """(clients, categories): row i ~ Dirichlet(alpha * 1_C), client i's mixture of categories."""
-    concentration = torch.full((n_clients, n_categories), float(alpha), dtype=torch.float64)
-    gammas = torch._standard_gamma(concentration, generator=rng).clamp_min(1e-300)
-    return gammas / gammas.sum(1, keepdim=True)
 
 
 def dirichlet_clients(parts: dict[str, dict[str, torch.Tensor]], cfg: SplitConfig) -> list[UserData]:
@@ -342,3 +337,34 @@ def sample_batch(tokens: torch.Tensor, batch_size: int, seq_len: int, generator:
     x = torch.stack([tokens[i:i + seq_len] for i in ix.tolist()]).long()
     y = torch.stack([tokens[i + 1:i + 1 + seq_len] for i in ix.tolist()]).long()
     return x, y
+
+
+def instruction_clients(iset: InstructionSet, tokenizer, cfg) -> list:
+    """Clients of ``iset`` as ``cfg`` (a SplitConfig) partitions it: ``task`` (one task per
+    client: ``data.users`` names them, else the ``data.clients`` largest, else all) or
+    ``dirichlet`` (``data.clients`` clients, ``data.alpha``); each split 80/10/10. The
+    partition depends only on the data and ``data.seed``: the same for every method."""
+    classification = iset.task == "classification"
+    if cfg.partition == "task":
+        examples = iset.examples
+        if cfg.users:
+            unknown = sorted(set(cfg.users) - {ex.category for ex in examples})
+            if unknown:
+                raise ValueError(f"data.users names unknown task(s) {', '.join(unknown)} of {iset.name}")
+            examples = [ex for ex in examples if ex.category in cfg.users]
+        n = cfg.clients or len({ex.category for ex in examples})
+        parts = task_per_client(examples, n, cfg.seed)
+        names = [p[0].category for p in parts]
+    else:
+        if not cfg.clients:
+            raise ValueError("data.partition=dirichlet needs data.clients (the number of clients)")
+        parts = dirichlet_label_skew(iset.examples, cfg.clients, cfg.alpha, cfg.seed)
+        names = [f"client{i:0{len(str(cfg.clients - 1))}d}" for i in range(cfg.clients)]
+    users = []
+    for i, (name, part) in enumerate(zip(names, parts)):
+        if len(part) < 3:
+            raise ValueError(f"client {name} of {iset.name} has {len(part)} examples; need at least 3 to split")
+        split = client_splits(part, classification, cfg.seed * 1000 + i, cfg.valid_examples, cfg.test_examples)
+        tok = {k: tokenize_examples(v, tokenizer, cfg.max_len) for k, v in split.items()}
+        users.append(UserData(name, tok["train"], tok["valid"], tok["test"], task=iset.task, choices=iset.choices))
+    return users

@@ -24,7 +24,7 @@ from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 from ...algorithms import REGISTRY
-from ...runner import build_algorithm, split_spec
+from ...specs import build_algorithm, split_spec
 from ...config import load_config
 from ...data import load_corpus, make_user_data
 from ...data.corpora import user_folder

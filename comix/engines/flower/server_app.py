@@ -19,7 +19,7 @@ from pathlib import Path
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
-from ...runner import build_algorithm, server_context, spec_dirname
+from ...specs import build_algorithm, server_context, spec_dirname
 from ...config import load_config
 from ..server import serve
 from .wire import from_arrays, from_json, to_arrays, to_json

@@ -25,7 +25,7 @@ def simulate(config: str | Path, method: str, run_dir: str | Path, clients: int,
     """Run one method spec of a recipe on ``clients`` virtual devices; returns results.json.
     ``gpus``: each virtual device's share of a GPU (Flower's ``client_resources.num_gpus``; 0.25
     lets four devices train at once on one GPU; 0 = CPU only)."""
-    from ...runner import spec_dirname
+    from ...specs import spec_dirname
 
     run = {"config": str(config), "method": method, "run-dir": str(run_dir), "clients": clients, "seed": seed,
            "state-dir": str(state_dir or Path(run_dir) / "device-state"), "cpus": cpus or os.cpu_count() or 1, "gpus": gpus}
