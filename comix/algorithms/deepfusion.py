@@ -446,23 +446,30 @@ class DeepFusion(Algorithm):
         """Sec. IV-D: ``tune_steps`` AdamW steps on public batches of everything but the FFN
         experts (embeddings, attention, norms, head and the new gate), next-token CE plus
         Mixtral's load-balancing loss (coefficient ``aux_loss_coef``)."""
-        rt, t = self.server.runtime, self.train
         frozen = {id(p) for p in expert_params(moe)}
         params = [p for p in moe.parameters() if id(p) not in frozen]
         for p in moe.parameters():
             p.requires_grad_(id(p) not in frozen)
-        opt = torch.optim.AdamW(params, lr=self.tune_lr, weight_decay=0.0)
-        scaler = rt.grad_scaler()
-        moe.train()
-        losses = []
-        for _ in range(self.tune_steps):
-            x, y = sample_batch(public, self.kd_batch, t.seq_len, gen)
-            losses.append(float(moe_step(moe, x, y, params, opt, self.aux_loss_coef, t, rt, scaler)))
-        moe.eval().requires_grad_(False)
+        losses = train_moe_on_public(moe, public, self.tune_steps, self.kd_batch, params, self.tune_lr,
+                                     self.aux_loss_coef, self.train, self.server.runtime, gen)
         return {"ce_first": round(losses[0], 4), "ce_last": round(losses[-1], 4)} if losses else {}
 
     def server_evaluate(self, server_state) -> dict[str, dict] | None:
         return None if self.moe is None else score_on_server(self.moe, self.server, self.train)
+
+
+def train_moe_on_public(moe: nn.Module, public: torch.Tensor, steps: int, batch: int, params: list, lr: float,
+                        aux_loss_coef: float, train, runtime: Runtime, gen: torch.Generator) -> list[float]:
+    """``steps`` AdamW steps of ``params`` on public batches of ``batch`` (next-token CE + Mixtral's
+    load balance); returns the CE of each step. DeepFusion's gate tuning and the baselines'
+    public data both take them."""
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    scaler = runtime.grad_scaler()
+    moe.train()
+    losses = [float(moe_step(moe, *sample_batch(public, batch, train.seq_len, gen), params, opt, aux_loss_coef,
+                             train, runtime, scaler)) for _ in range(steps)]
+    moe.eval().requires_grad_(False)
+    return losses
 
 
 def public_tuning(moe: nn.Module, public: torch.Tensor, steps: int, batch: int, lr: float, aux_loss_coef: float,
@@ -473,14 +480,9 @@ def public_tuning(moe: nn.Module, public: torch.Tensor, steps: int, batch: int, 
     tune_steps tuning steps), so the comparison is on equal server data (issue I)."""
     if steps == 0:
         return {"public_batches": 0}
-    gen = torch.Generator().manual_seed(seed)
-    params = [p for p in moe.parameters()]
-    moe.to(runtime.device).train().requires_grad_(True)
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    scaler = runtime.grad_scaler()
-    losses = [float(moe_step(moe, *sample_batch(public, batch, train.seq_len, gen), params, opt, aux_loss_coef,
-                             train, runtime, scaler)) for _ in range(steps)]
-    moe.eval().requires_grad_(False)
+    moe.to(runtime.device).requires_grad_(True)
+    losses = train_moe_on_public(moe, public, steps, batch, list(moe.parameters()), lr, aux_loss_coef, train, runtime,
+                                 torch.Generator().manual_seed(seed))
     return {"public_batches": steps, "ce_first": round(losses[0], 4), "ce_last": round(losses[-1], 4)}
 
 

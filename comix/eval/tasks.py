@@ -94,6 +94,14 @@ def split_accuracy(model, split, choices: tuple[str, ...], batch_size: int = 8) 
     return 100.0 * sum(choices[p] == ex.output for p, ex in zip(pred, split.examples)) / max(1, len(split))
 
 
+def _left_pad(prompts: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts left-padded to one width for generation, and their attention mask."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    return ids, mask
+
+
 @torch.inference_mode()
 def generate_split(model, split, max_new_tokens: int = 128, batch_size: int = 8) -> list[str]:
     """Greedy continuations of every example's prompt (at most ``max_new_tokens``, stopping at
@@ -103,9 +111,8 @@ def generate_split(model, split, max_new_tokens: int = 128, batch_size: int = 8)
     texts = []
     for b in range(0, len(split), batch_size):
         prompts = [split.prompt_ids(i).tolist() for i in range(b, min(b + batch_size, len(split)))]
-        width = max(map(len, prompts))
-        ids = torch.tensor([[split.pad_id] * (width - len(p)) + p for p in prompts], device=device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        ids, mask = _left_pad(prompts, split.pad_id, device)
+        width = ids.shape[1]
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                              eos_token_id=tok.eos_token_id, pad_token_id=split.pad_id)
         texts += [tok.decode(row[width:], skip_special_tokens=True).strip() for row in out]
@@ -148,9 +155,8 @@ def generated_token_accuracy(model, pairs: list[tuple[torch.Tensor, torch.Tensor
         for b in range(0, len(pairs), batch_size):
             batch = pairs[b:b + batch_size]
             refs = [a[:max_new_tokens].tolist() for _, a in batch]
-            width = max(len(q) for q, _ in batch)
-            ids = torch.tensor([[pad_id] * (width - len(q)) + q.tolist() for q, _ in batch], device=device)
-            mask = torch.tensor([[0] * (width - len(q)) + [1] * len(q) for q, _ in batch], device=device)
+            ids, mask = _left_pad([q.tolist() for q, _ in batch], pad_id, device)
+            width = ids.shape[1]
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(map(len, refs)),
                                  do_sample=False, pad_token_id=pad_id, eos_token_id=eos_id)
             for row, ref in zip(out[:, width:].tolist(), refs):
