@@ -158,7 +158,8 @@ def cmd_run(args) -> int:
 
 def cmd_compare(args) -> int:
     from .compare import (MANY_USERS, collect, curves, global_model_tables, metric_title, overhead_table,
-                          plot_assignment, plot_curves, plot_global_model, references, summary_tables)
+                          plot_assignment, plot_curves, plot_global_model, plot_privacy, privacy_table, references,
+                          summary_tables)
     from .files import atomic_write
     from .runner import run_spec
     from .specs import spec_dirname
@@ -183,6 +184,10 @@ def cmd_compare(args) -> int:
               "mean over users (of the last round), then mean (std) over seeds\n\n")
     overhead = overhead_table(run_dir, cfg.methods, seeds)
     global_tables = global_model_tables(run_dir, results, cfg.methods, seeds)
+    private = privacy_table(results)
+    if private:
+        global_tables = (global_tables + "\n\n" if global_tables else "") + \
+            "Utility and privacy (client-level DP-FedAvg; comix/privacy.py)\n\n" + private
     atomic_write(run_dir / "compare.md", lambda p: Path(p).write_text(
         header + md + "\n\nSystem overhead per client and round (FedAMoLE Table IV; mean over rounds, clients "
         "and seeds)\n\n" + overhead + "\n" + (f"\n{global_tables}\n" if global_tables else "")))
@@ -193,6 +198,7 @@ def cmd_compare(args) -> int:
     drawn = [f for f, per_user in (("curves.png", False), ("curves_per_user.png", True))
              if plot_curves(data, run_dir / f, per_user=per_user, refs=refs, ylabel=title)]
     drawn += ["global-model.png"] if plot_global_model(run_dir, results, seeds, run_dir / "global-model.png") else []
+    drawn += ["privacy.png"] if plot_privacy(results, run_dir / "privacy.png") else []
     drawn += [f"assignment-{spec_dirname(spec)}.png" for spec in cfg.methods
               if plot_assignment(run_dir, spec, seeds[0], run_dir / f"assignment-{spec_dirname(spec)}.png")]
     shown = md if len(names) <= MANY_USERS else md.split("\n\n")[0] + f"\n\n(per user: {run_dir}/compare.md)"

@@ -143,6 +143,62 @@ def plot_curves(data: dict, path: Path, per_user: bool, refs: dict | None = None
     return True
 
 
+def privacy_table(results: dict[str, dict[int, dict]]) -> str:
+    """Utility against privacy (issue F2): per spec run with ``privacy.*``, its clip, noise
+    multiplier, epsilon at its delta after the last round and the task metric (mean (std) over
+    seeds); empty when no run was private."""
+    private = {spec.split(":")[0] for spec, by in results.items() if any("privacy" in r for r in by.values())}
+    if not private:
+        return ""
+    rows = []
+    for spec, by_seed in results.items():
+        if spec.split(":")[0] not in private:
+            continue
+        first = next(iter(by_seed.values()))
+        p, eps = first.get("privacy"), first.get("epsilon")
+        where = "inf (no noise)" if eps is None else f"{eps:.3g} (delta {p['delta']:g})"
+        rows.append(f"| {spec} | {p['clip']:g} | {p['noise_multiplier']:g} | {where} | " if p else f"| {spec} | - | - | "
+                    "inf (no DP) | ")
+        rows[-1] += f"{_mean_std([metric_of(r)[1] for r in by_seed.values()])} |"
+    title = metric_title([r for by in results.values() for r in by.values()])
+    return "\n".join([f"| method | clip | noise multiplier | epsilon | {title} (std over seeds) |",
+                      "|---|---|---|---|---|", *rows])
+
+
+def plot_privacy(results: dict[str, dict[int, dict]], path: Path) -> bool:
+    """The task metric against epsilon, one line per method over its noise levels (noise-free runs
+    drawn at the right edge as a dashed reference)."""
+    points: dict[str, list[tuple[float, float]]] = {}
+    free: dict[str, float] = {}
+    for spec, by_seed in results.items():
+        mean = statistics.fmean(metric_of(r)[1] for r in by_seed.values())
+        method = spec.split(":")[0]
+        eps = next(iter(by_seed.values())).get("epsilon")
+        if eps is None:
+            free[method] = mean
+        else:
+            points.setdefault(method, []).append((eps, mean))
+    if not points:
+        return False
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for i, (method, pts) in enumerate(sorted(points.items())):
+        pts.sort()
+        line, = ax.plot([e for e, _ in pts], [v for _, v in pts], "o-", label=method)
+        if method in free:
+            ax.axhline(free[method], ls="--", color=line.get_color(), lw=1, label=f"{method}, no DP")
+    ax.set_xscale("log")
+    ax.set_xlabel("epsilon after the last round (log)")
+    ax.set_ylabel(metric_title([r for by in results.values() for r in by.values()]))
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def _jsonl(path: Path) -> list[dict]:
     return [json.loads(ln) for ln in path.read_text().splitlines()] if path.exists() else []
 

@@ -17,6 +17,7 @@ import yaml
 from .algorithms import METHODS, REGISTRY, TrainConfig, section_of
 from .data import SplitConfig
 from .models import LoRAConfig
+from .privacy import PrivacyConfig
 
 
 class ConfigError(ValueError):
@@ -85,6 +86,7 @@ class RunConfig:
     fedptuning: object = field(default_factory=SECTIONS["fedptuning"])
     deepfusion: object = field(default_factory=SECTIONS["deepfusion"])
     fedjets: object = field(default_factory=SECTIONS["fedjets"])
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)  # client-level DP (comix/privacy.py)
 
     def options(self, method: str) -> dict:
         """The config section of ``method`` as keyword options (empty when it has none)."""
@@ -139,6 +141,11 @@ class RunConfig:
                               f"train.max_new_tokens >= 1, got {t.schedule!r}, {t.lr_decay}, {t.max_new_tokens}")
         if t.optimizer_state not in ("run", "round"):
             raise ConfigError(f"train.optimizer_state must be run or round, got {t.optimizer_state!r}")
+        if t.client_sampling not in ("fixed", "poisson"):
+            raise ConfigError(f"train.client_sampling must be fixed or poisson, got {t.client_sampling!r}")
+        problem = self.privacy.problem()
+        if problem:
+            raise ConfigError(problem)
         if t.load_balance not in ("none", "uniform", "generalist"):
             raise ConfigError(f"train.load_balance must be none, uniform or generalist, got {t.load_balance!r}")
         return self

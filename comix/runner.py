@@ -82,6 +82,8 @@ def run_spec(cfg, spec: str, seed: int, out: Path, model, users, console, server
             shown = " ".join(f"{x:.1f}" for x in xs) if len(xs) <= 8 else f"mean {sum(xs) / len(xs):.2f}"
             name = (p["metric"] or "").replace("_", " ")
             info = f"round {p['round']}/{p['rounds']} loss {p['train_loss']:.3f}" + (f" {name} {shown}" if xs else "")
+            if p.get("epsilon") is not None:  # DP: the privacy spent so far (privacy.delta)
+                info += f" epsilon {p['epsilon']:.2f}"
             bar.update(task, completed=p["round"], info=info)
             bar.console.log(f"{label} {info} ({p['seconds']:.0f}s)")
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import yaml
 
 from .config import ConfigError, RunConfig, _set
+from .privacy import resolve_privacy
 
 
 def split_spec(spec: str) -> tuple[str, list[str]]:
@@ -65,9 +66,13 @@ def build_algorithm(cfg: RunConfig, spec: str, n_users: int):
     from .algorithms import REGISTRY, make_algorithm
     mcfg = spec_config(cfg, spec)
     name = split_spec(spec)[0]
+    why = REGISTRY[name][0].dp_refusal() if mcfg.privacy.active else None
+    if why:
+        raise ConfigError(f"method {name} cannot run with privacy.* (clip, noise or target epsilon): {why}")
     n_clients = 1 if REGISTRY[name][0].pooled else n_users
     algo = make_algorithm(name, mcfg.lora, mcfg.train, n_clients, **mcfg.options(name))
     algo.name = spec
+    algo.privacy = resolve_privacy(mcfg.privacy, n_clients, mcfg.train)  # the noise calibrated to a target
     return algo
 
 

@@ -287,3 +287,32 @@ def test_the_token_projection_leaves_the_device_and_is_averaged(setup):
     server, nxt = algo.server_round(server, uploads)
     mean = torch.stack([up[name] for up in uploads.values()]).mean(0)
     assert all(torch.allclose(p[name], mean) for p in nxt.values())
+
+
+def test_dp_noise_reaches_every_expert_mean_scaled_by_its_holders_and_spares_the_embeddings(setup):
+    """DP-FedAvg on FedAMoLE (comix/privacy.py): each expert's mean over its holders gets noise of
+    std sigma x clip / holders on its sum; the RSEA embeddings are outside the clip (dp_exempt)."""
+    from comix.privacy import GaussianSumNoise, clip_upload
+
+    algo, clients, server, payloads = _start(setup, options=dict(assignment="fixed"))
+    uploads = {}
+    for c, (ctx, state) in enumerate(clients):
+        _, up, _ = algo.client_round(ctx, state, payloads[c])
+        clipped, norm = clip_upload(up, payloads[c], 1e-4, algo.dp_exempt)
+        rsea = [n for n in up if n.startswith("rsea.")]
+        assert all(torch.equal(clipped[n], up[n]) for n in rsea)  # exempt: untouched
+        rest = math.sqrt(sum(float((clipped[n] - payloads[c].get(n, 0)).pow(2).sum()) for n in clipped if n not in rsea))
+        assert rest == pytest.approx(1e-4, rel=1e-3) and norm > 1e-4
+        uploads[c] = clipped
+    d = server["assignment"][M].clone()
+    clean, _ = algo.server_round({k: (dict(v) if isinstance(v, dict) else v) for k, v in server.items()}, uploads)
+    std = 3.0
+    algo.aggregation_noise = GaussianSumNoise(std, seed=0, rnd=1)
+    noisy, _ = algo.server_round(server, uploads)
+    for gid in range(algo.cfg.pool):
+        name = expert_name(M, gid, "A")
+        holders = int(d[:, gid].sum())
+        diff = noisy["pool"][name] - clean["pool"][name]
+        assert diff.std().item() == pytest.approx(std / holders, rel=0.3)
+    shared = f"{M}.shared.lora_A"
+    assert (noisy["shared"][shared] - clean["shared"][shared]).std().item() == pytest.approx(std / 3, rel=0.3)

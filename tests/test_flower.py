@@ -139,7 +139,8 @@ def test_ray_simulation_equals_in_process(tmp_path):
 
 def test_ray_simulation_of_many_sampled_clients_equals_in_process(tmp_path):
     """Dirichlet clients and client sampling: the server loop draws the same clients on both
-    engines, so a 40-client run with 5 clients per round gives the same numbers."""
+    engines, so a 40-client run with 5 clients per round gives the same numbers; with DP-FedAvg
+    on, the clip runs on the (virtual) device and the seeded noise and the epsilon are the same."""
     pytest.importorskip("ray")
     cfg = tmp_path / "many.yaml"
     cfg.write_text("""model: tiny-llama
@@ -149,6 +150,7 @@ seed: 7
 data: {clients: 40, alpha: 0.5, valid_tokens: 128, test_tokens: 128}
 train: {rounds: 2, local_steps: 1, batch_size: 2, seq_len: 32, clients_per_round: 5, eval_every: 2,
         eval_splits: [test]}
+privacy: {clip: 0.05, noise_multiplier: 0.5}
 """)
     assert main(["run", str(cfg), f"run_dir={tmp_path / 'inproc'}"]) == 0
     assert main(["run", str(cfg), f"run_dir={tmp_path / 'sim'}", "engine=flower-sim", "threads=2"]) == 0
@@ -156,6 +158,9 @@ train: {rounds: 2, local_steps: 1, batch_size: 2, seq_len: 32, clients_per_round
     b = _rows(tmp_path / "inproc" / "fedavg" / "metrics.jsonl")
     assert [(x["user"], x["sampled"], x["bytes_up"]) for x in a] == [(y["user"], y["sampled"], y["bytes_up"]) for y in b]
     assert sum(x["sampled"] for x in a) == 2 * 5
+    norms = [[x["update_norm"] for x in rows if x["sampled"]] for rows in (a, b)]
+    assert norms[0] == pytest.approx(norms[1], rel=1e-4) and max(norms[0]) > 0.05  # clipped: the bound bites
+    assert [x["epsilon"] for x in a] == [y["epsilon"] for y in b] and a[-1]["epsilon"] > a[0]["epsilon"]
     for x, y in zip(a, b):
         assert ("test_ppl" in x) == ("test_ppl" in y)
         if "test_ppl" in y:

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..data import UserData, sample_batch
+from ..privacy import PrivacyConfig
 from ..models import AdapterConfig, LoRAConfig, MixtureOfLoRAMLP, load_balance_loss, mixtures, param_role
 from ..runtime import Runtime, to_cpu
 
@@ -83,6 +84,8 @@ class TrainConfig:
     load_balance: str = "uniform"   # none | uniform | generalist (eq. 10)
     clients_per_round: int = 0      # clients sampled each round; 0 = client_fraction of them
     client_fraction: float = 1.0    # (1.0: full participation, as in the papers)
+    client_sampling: str = "fixed"  # fixed (that many, without replacement) | poisson (each client with
+                                    # probability client_fraction: DP-FedAvg's sampling, McMahan et al. 2018)
     eval_every: int = 1             # evaluate valid/test perplexity every k rounds (and the last)
     eval_batch_size: int = 8
     eval_splits: list[str] = field(default_factory=lambda: ["valid", "test"])
@@ -165,13 +168,16 @@ def expert_lr(step: int, total: int, train: TrainConfig) -> float:
     return low + (train.lr - low) * (1 + math.cos(math.pi * frac)) / 2
 
 
-def average(uploads: dict[int, Tensors]) -> Tensors:
-    """Uniform mean of each tensor over the clients that uploaded it (CoMiGS eq. 4)."""
+def average(uploads: dict[int, Tensors], noise=None) -> Tensors:
+    """Uniform mean of each tensor over the clients that uploaded it (CoMiGS eq. 4). ``noise``
+    (DP-FedAvg, ``privacy.GaussianSumNoise``) is added to each tensor's *sum* before the division,
+    tensors taken in sorted name order so that every engine draws the same noise."""
     names = sorted({n for u in uploads.values() for n in u})
     out = {}
     for n in names:
         ts = [u[n] for u in uploads.values() if n in u]
-        out[n] = torch.stack([t.float() for t in ts]).mean(0).to(ts[0].dtype)
+        total = torch.stack([t.float() for t in ts]).sum(0)
+        out[n] = ((noise(total) if noise else total) / len(ts)).to(ts[0].dtype)
     return out
 
 
@@ -190,10 +196,17 @@ class Algorithm:
     # new aggregate replaces it, and keeps that model at the end.
     evaluate_local = False
     needs_server_data = False    # the server distils / tunes / scores on data of its own (DeepFusion)
+    # Client-level DP (comix/privacy.py): offered when the server's step is a mean of the uploads
+    # through ``aggregate`` (this base's server_round, or a subclass that says ``dp_aggregate``);
+    # ``dp_refusal`` says why a method cannot offer it.
+    dp_aggregate = False
+    dp_refusal_reason: str | None = None
 
     def __init__(self, lora: LoRAConfig, train: TrainConfig, n_clients: int):
         self.lora, self.train, self.n_clients = lora, train, n_clients
         self.server: ServerContext | None = None  # set by the engine before the run
+        self.privacy = PrivacyConfig()            # set by specs.build_algorithm from the config
+        self.aggregation_noise = None             # set by the server loop each round when DP adds noise
 
     # -- which model a client trains -------------------------------------------------------------
     def device_spec(self, client: int) -> str | None:
@@ -247,6 +260,28 @@ class Algorithm:
         """What the server logs after a round (server.jsonl), e.g. FedAMoLE's assignment."""
         return {}
 
+    @classmethod
+    def dp_refusal(cls) -> str | None:
+        """Why this method cannot offer client-level DP (one line), or None when it can."""
+        if cls.dp_refusal_reason:
+            return cls.dp_refusal_reason
+        if cls.pooled or not cls.trains:
+            return "it uploads nothing (one pooled model or no training): there is no upload to protect"
+        if not cls.dp_aggregate and cls.server_round is not Algorithm.server_round:
+            return "its server step is not a mean of the clients' uploads, so DP-FedAvg's noisy clipped sum " \
+                   "gives it no guarantee"
+        return None
+
+    def dp_exempt(self, name: str) -> bool:
+        """Upload tensors outside DP's clip and noise (privacy.md and the epsilon say they are not
+        covered); none by default."""
+        return False
+
+    def aggregate(self, uploads: dict[int, Tensors]) -> Tensors:
+        """The mean of each uploaded tensor over its uploaders, with DP-FedAvg's noise on each sum
+        when the run adds it: every DP-capable server step averages through here."""
+        return average(uploads, self.aggregation_noise)
+
     def shape_ok(self, name: str, shape: tuple, expected: tuple) -> bool:
         return shape == expected
 
@@ -266,7 +301,7 @@ class Algorithm:
     def server_round(self, server_state, uploads: dict[int, Tensors]) -> tuple[Any, dict[int, Tensors]]:
         if not uploads or not any(uploads.values()):
             return server_state, {c: {} for c in range(self.n_clients)}
-        mean = average(uploads)
+        mean = self.aggregate(uploads)
         return server_state, {c: dict(mean) for c in range(self.n_clients)}
 
     # -- client ------------------------------------------------------------------------------------

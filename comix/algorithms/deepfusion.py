@@ -198,6 +198,8 @@ class DeepFusion(Algorithm):
     device model could not learn through LoRA, and the paper's Fig. 7 measures full training)
     and uploads it once with its data embedding; the server builds the global MoE."""
     name = "deepfusion"
+    dp_refusal_reason = ("its one-shot upload is the whole device model: client-level DP would need "
+                         "sample-level DP-SGD on the device, out of scope")
     section = "deepfusion"
     needs_server_data = True
     feature = "vaa"  # FM term of eq. 11: vaa (DeepFusion) | none (FedKMT) | ofa (OFA-KD)
@@ -605,6 +607,7 @@ class CentralMoE(DeepFusion):
     batches cycling through the users), so it sees as many training tokens as the devices did.
     Nothing is uploaded (the data is central)."""
     name = "central-moe"
+    dp_refusal_reason = "it trains one model on every user's pooled data: there is no client upload to protect"
     pooled = True
 
     def device_spec(self, client: int) -> str:

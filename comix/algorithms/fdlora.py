@@ -27,7 +27,7 @@ import torch
 from ..data import sample_batch
 from ..models import AdapterConfig, LoRAConfig, param_role
 from ..models.lora import LoRALinear
-from .base import (Algorithm, ClientContext, ClientState, Tensors, adapter_tensors, average, keep_optimizer,
+from .base import (Algorithm, ClientContext, ClientState, Tensors, adapter_tensors, keep_optimizer,
                    load_adapters, lm_loss, make_optimizer, expert_lr, step_on)
 
 START = (0.5, 0.5)
@@ -42,6 +42,7 @@ def set_fusion(model, weights) -> None:
 
 class FDLoRA(Algorithm):
     name = "fdlora-comigs"
+    dp_aggregate = True  # the outer step starts from the (noisy) mean of the uploads
     section = "fdlora"
     lora_modules = 1
 
@@ -67,7 +68,7 @@ class FDLoRA(Algorithm):
         return state, {c: dict(theta) for c in range(self.n_clients)}
 
     def server_round(self, server_state, uploads: dict[int, Tensors]):
-        mean, theta, mom = average(uploads), server_state["global"], server_state["momentum"]
+        mean, theta, mom = self.aggregate(uploads), server_state["global"], server_state["momentum"]
         for n in theta:
             mom[n] = self.outer_momentum * mom[n] + (theta[n] - mean[n])
             theta[n] = theta[n] - self.outer_lr * mom[n]

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from ..data import sample_batch
-from .base import ClientContext, ClientState, Tensors, average, held_out, lm_loss, load_adapters
+from .base import ClientContext, ClientState, Tensors, held_out, lm_loss, load_adapters
 from .fedavg import FedIT
 
 
@@ -42,6 +42,7 @@ def fuse_adapters(weights, shared: Tensors, private: Tensors) -> Tensors:
 
 class FDLoRAFedAMoLE(FedIT):
     name = "fdlora-fedamole"
+    dp_aggregate = True  # the outer Nesterov step starts from the (noisy) mean of the uploads
     section = "fdlora_fedamole"
 
     def __init__(self, lora, train, n_clients, sync_every: int = 5, outer_lr: float = 1.0,
@@ -65,7 +66,7 @@ class FDLoRAFedAMoLE(FedIT):
         return {"global": theta, "momentum": None}, {c: dict(theta) for c in range(self.n_clients)}
 
     def server_round(self, server_state, uploads: dict[int, Tensors]):
-        mean, st = average(uploads), server_state
+        mean, st = self.aggregate(uploads), server_state
         if st["momentum"] is None:  # the first aggregation: a plain mean, then the outer SGD exists
             st["global"], st["momentum"] = mean, {n: torch.zeros_like(t) for n, t in mean.items()}
         else:  # torch.optim.SGD(lr, momentum, nesterov) on the pseudo-gradient theta - mean

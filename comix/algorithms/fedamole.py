@@ -53,7 +53,7 @@ from ..data import sample_batch
 from ..models import AdapterConfig, mixtures
 from ..models.amole import AMoLEConfig, AMoLELinear, amole_load_balance
 from ..runtime import to_cpu
-from .base import Algorithm, ClientContext, ClientState, Tensors, adapter_tensors, average, held_out
+from .base import Algorithm, ClientContext, ClientState, Tensors, adapter_tensors, held_out
 from .rsea import assign, assign_by_relevance, check_feasible, random_assignment
 
 _EXPERT = re.compile(r"^(?P<module>.+)\.experts\.(?P<id>\d+)\.lora_(?P<ab>[AB])$")
@@ -69,6 +69,10 @@ def amole_modules(model: nn.Module) -> dict[str, AMoLELinear]:
 
 class FedAMoLE(Algorithm):
     name = "fedamole"
+    # DP: shared tensors and each expert are means through ``aggregate`` (noise on every sum); the
+    # RSEA embeddings are per-client statistics, outside the clip and the epsilon (privacy.md says
+    # so); the authors' --apply_dp --dp_eta noise on them is ``embed_noise``, not accounted.
+    dp_aggregate = True
     section = "fedamole"
     evaluate_local = True  # scored after local training, before aggregation (main.py)
 
@@ -102,6 +106,9 @@ class FedAMoLE(Algorithm):
         """The relevance's scale is the layer's own (eq. 10 and 26 share sqrt(d); sqrt(r) in the
         authors' layer.py and node.py alike)."""
         return d_in if self.cfg.score_scale == "d" else self.cfg.r
+
+    def dp_exempt(self, name: str) -> bool:
+        return name.startswith("rsea.")  # per-client embeddings, not part of any mean (see dp_aggregate)
 
     def is_shared(self, name: str) -> bool:
         return name.startswith("rsea.") or ".shared.lora_" in name or name.endswith(".token_proj") \
@@ -306,9 +313,9 @@ class FedAMoLE(Algorithm):
     def server_round(self, server_state, uploads: dict[int, Tensors]):
         st = server_state
         shared_names = set(st["shared"])
-        st["shared"] = {**st["shared"], **average({c: {n: t for n, t in up.items() if n in shared_names}
+        st["shared"] = {**st["shared"], **self.aggregate({c: {n: t for n, t in up.items() if n in shared_names}
                                                    for c, up in uploads.items()})}
-        experts = average({c: {n: t for n, t in up.items() if _EXPERT.match(n)} for c, up in uploads.items()})
+        experts = self.aggregate({c: {n: t for n, t in up.items() if _EXPERT.match(n)} for c, up in uploads.items()})
         st["pool"].update(experts)  # eq. 22 by id: holders only; experts nobody trained keep their value
         t0 = time.perf_counter()
         report = {"solve_s": 0.0, "experts_per_client": {}}

@@ -4,3 +4,4 @@ from .base import Algorithm
 
 class Local(Algorithm):
     name = "local"
+    dp_refusal_reason = "it shares nothing: nothing leaves a device, so there is nothing to add noise to"

@@ -27,6 +27,7 @@ from ..models import mixtures, routing_stats, set_record_stats
 from ..models.amole import AMoLELinear
 from ..models.lora import LoRALinear, LoRAWeights
 from ..files import atomic_write
+from ..privacy import clip_upload
 from ..runtime import Runtime
 
 
@@ -195,6 +196,9 @@ class Device:
         t0 = time.perf_counter()
         with self.runtime.autocast():
             state, upload, metrics = self.algorithm.client_round(self.context(), self.store[self.client], payload)
+        clip = self.algorithm.privacy.clip
+        if math.isfinite(clip):  # DP-FedAvg's clip, here on the device: nothing unclipped leaves it
+            upload, metrics["update_norm"] = clip_upload(upload, payload, clip, self.algorithm.dp_exempt)
         metrics["train_s"] = round(time.perf_counter() - t0, 4)
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         metrics["trainable_mb"] = round(trainable * 4 * 4 / 2**20, 3)

@@ -17,6 +17,7 @@ states; Flower devices persist their own). A checkpoint is written atomically ev
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import random
@@ -30,6 +31,7 @@ import torch
 from ..algorithms import Algorithm, tensor_bytes
 from ..algorithms.base import Tensors
 from ..files import atomic_write
+from ..privacy import GaussianSumNoise, epsilon_after, privacy_record, sampling_of
 
 log = logging.getLogger("comix.server")
 
@@ -46,11 +48,31 @@ class Transport(Protocol):
 def sample_clients(n_clients: int, train, seed: int, rnd: int) -> list[int]:
     """The clients that train in round ``rnd`` (from 1): all of them by default (the papers' full
     participation), else ``clients_per_round`` (or ``client_fraction`` of them) drawn uniformly
-    without replacement from a generator seeded by (seed, round)."""
+    without replacement from a generator seeded by (seed, round); with ``client_sampling:
+    poisson`` each client independently with probability ``client_fraction`` (possibly none).
+    The DP accountant (privacy.sampling_of) follows the same rule."""
+    if train.client_sampling == "poisson":
+        rng = random.Random(f"{seed}:{rnd}")
+        return [c for c in range(n_clients) if rng.random() < train.client_fraction]
     k = train.clients_per_round or max(1, round(train.client_fraction * n_clients))
     if k >= n_clients:
         return list(range(n_clients))
     return sorted(random.Random(f"{seed}:{rnd}").sample(range(n_clients), k))
+
+
+def upload_record(uploads: dict[int, Tensors], seen: set) -> dict:
+    """What left each client this round for privacy.md: ``uploads`` {client: {"sig", "bytes"}},
+    where a signature names the exact list of (tensor, shape, dtype), and ``signatures`` with the
+    lists not recorded in an earlier round (``seen`` is updated)."""
+    out, new = {}, {}
+    for c, up in sorted(uploads.items()):
+        listing = [[n, list(t.shape), str(t.dtype).removeprefix("torch.")] for n, t in sorted(up.items())]
+        sig = hashlib.sha1(json.dumps(listing).encode()).hexdigest()[:10]
+        if sig not in seen:
+            seen.add(sig)
+            new[sig] = listing
+        out[str(c)] = {"sig": sig, "bytes": tensor_bytes(up)}
+    return {"uploads": out, **({"signatures": new} if new else {})}
 
 
 def shapes_only(tensors: Tensors) -> Tensors:
@@ -93,6 +115,7 @@ def serve(algorithm: Algorithm, transport: Transport, users: list[str], out_dir:
         server_path.write_text("")
 
     total_up = sum(json.loads(ln).get("bytes_up", 0) for ln in metrics_path.read_text().splitlines())
+    seen = {s for ln in server_path.read_text().splitlines() for s in json.loads(ln).get("signatures", {})}
     for rnd in range(start, train.rounds):
         t0 = time.time()
         sampled = sample_clients(n_clients, train, seed, rnd + 1)
@@ -110,14 +133,23 @@ def serve(algorithm: Algorithm, transport: Transport, users: list[str], out_dir:
                 continue
             uploads[c] = reply[0]
             client_metrics[c] = {"sampled": True, **reply[1], "bytes_up": tensor_bytes(reply[0]), "bytes_down": down}
-        if not uploads:
+        if not uploads and sampled:
             raise RuntimeError(f"round {rnd + 1}: no client replied with a valid upload")
         t_agg = time.time()
-        server_state, payloads = algorithm.server_round(server_state, uploads)
+        if uploads:  # (Poisson sampling may draw nobody: the round leaves every payload as it was)
+            # DP-FedAvg: noise of std sigma x clip on each aggregate's sum, seeded by (seed, round)
+            sigma = algorithm.privacy.noise_multiplier
+            algorithm.aggregation_noise = GaussianSumNoise(sigma * algorithm.privacy.clip, seed, rnd + 1) \
+                if sigma > 0 else None
+            server_state, payloads = algorithm.server_round(server_state, uploads)
+            algorithm.aggregation_noise = None
         # what the server did this round (Table IV's aggregation latency; FedAMoLE adds its expert
         # assignment and RSEA time, which the paper counts inside aggregation)
         server_row = {"round": rnd + 1, "train_s": round(t_train - t0, 4), "aggregate_s": round(time.time() - t_agg, 4),
-                      **algorithm.server_report(server_state)}
+                      **algorithm.server_report(server_state), **upload_record(uploads, seen)}
+        eps = epsilon_after(algorithm.privacy, rnd + 1, n_clients, train)
+        if eps is not None:
+            server_row["epsilon"] = eps
         if rnd + 1 == train.rounds:  # the clients take the final payload (FDLoRA fuses here)
             transport.finish({c: payloads[c] for c in range(n_clients)})
             payloads = {c: {} for c in range(n_clients)}
@@ -135,7 +167,7 @@ def serve(algorithm: Algorithm, transport: Transport, users: list[str], out_dir:
         lines = []
         for u, name in enumerate(users):
             row = {"round": rnd + 1, "iteration": (rnd + 1) * train.local_steps, "user": name,
-                   **client_metrics[client_of(u)]}
+                   **client_metrics[client_of(u)], **({"epsilon": eps} if eps is not None else {})}
             if algorithm.pooled:
                 row["bytes_up"] = row["bytes_down"] = 0
             row.update(evaluation.get(name, {}))
@@ -151,15 +183,21 @@ def serve(algorithm: Algorithm, transport: Transport, users: list[str], out_dir:
         if progress:
             losses = [r["train_loss"] for r in lines if "train_loss" in r]
             scores = [task_score(r) for r in lines]
-            progress({"round": rnd + 1, "rounds": train.rounds, "seconds": time.time() - t0,
+            progress({"round": rnd + 1, "rounds": train.rounds, "seconds": time.time() - t0, "epsilon": eps,
                       "train_loss": sum(losses) / max(1, len(losses)),
                       "metric": next((k for k, _ in filter(None, scores)), None),
                       "scores": [sc[1] if sc else None for sc in scores]})
+    rows = [json.loads(ln) for ln in server_path.read_text().splitlines()]
+    record = privacy_record(rows, algorithm.name, algorithm.privacy, sampling_of(n_clients, train),
+                            algorithm.dp_refusal(), algorithm.dp_exempt)
+    atomic_write(out_dir / "privacy.md", lambda p: Path(p).write_text(record))
     last = [r for r in map(json.loads, metrics_path.read_text().splitlines()) if r["round"] == train.rounds]
     per_user = {r["user"]: {k: v for k, v in r.items() if k.startswith(("valid_", "test_")) or k == "gates"}
                 for r in last if task_score(r)}
     server_scored = [r["user"] for r in last if r.get("evaluated_by") == "server"]
-    return finish_run(out_dir, algorithm, server_scored or users, per_user, total_up, train.rounds)
+    eps = epsilon_after(algorithm.privacy, train.rounds, n_clients, train)
+    private = {"privacy": asdict(algorithm.privacy), "epsilon": eps} if algorithm.privacy.active else {}
+    return finish_run(out_dir, algorithm, server_scored or users, per_user, total_up, train.rounds, private)
 
 
 # wall-clock and memory measurements in metrics.jsonl / server.jsonl: they differ between two runs
@@ -175,7 +213,7 @@ def task_score(metrics: dict) -> tuple[str, float] | None:
 
 
 def finish_run(out_dir: Path, algorithm: Algorithm, users: list[str], per_user: dict, bytes_up: int,
-               rounds: int) -> dict:
+               rounds: int, extra: dict | None = None) -> dict:
     """results.json with ``metric`` (the users' task metric: ``test_ppl``, ``test_acc``,
     ``test_rouge_l``, or ``test_score`` when users' tasks differ), ``mean`` over users (FedAMoLE's
     MTAL when it is the last round's accuracy or Rouge-L) and, for perplexity, ``mean_test_ppl``.
@@ -195,6 +233,6 @@ def finish_run(out_dir: Path, algorithm: Algorithm, users: list[str], per_user: 
     mean = sum(values) / len(values)
     result = {"method": algorithm.name, "rounds": rounds, "per_user": per_user, "metric": metric, "mean": mean,
               **({"mean_test_ppl": mean} if metric == "test_ppl" else {}), "bytes_up_total": bytes_up,
-              "train": asdict(algorithm.train), **({"missing": missing} if missing else {})}
+              "train": asdict(algorithm.train), **({"missing": missing} if missing else {}), **(extra or {})}
     atomic_write(out_dir / "results.json", lambda p: Path(p).write_text(json.dumps(result, indent=2)))
     return result
