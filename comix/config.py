@@ -94,6 +94,8 @@ class RunConfig:
         return dataclasses.asdict(getattr(self, section)) if section else {}
 
     def validate(self) -> "RunConfig":
+        if not self.methods:
+            raise ConfigError("methods is empty: name at least one method (e.g. methods=[fedavg])")
         for m in self.methods:
             if m.split(":")[0] not in METHODS:
                 raise ConfigError(f"methods: unknown method {m!r} (allowed: {', '.join(METHODS)})")

@@ -21,7 +21,7 @@ def load_inputs(cfg: RunConfig):
     from .data import check_seq_len, load_corpus, make_user_data, token_table
     from .data.splits import make_server_data
     from .models import load_base_model
-    from .models.base import check_model_spec
+    from .models.base import check_model_spec, model_config
     from .runtime import resolve
 
     if cfg.threads:
@@ -29,9 +29,15 @@ def load_inputs(cfg: RunConfig):
     runtime = resolve(cfg.device, cfg.precision, cfg.compile)
     check_model_spec(cfg.model)
     corpus = load_corpus(cfg.corpus)
-    for spec in cfg.methods:  # every method's options checked before the model loads
-        if build_algorithm(cfg, spec, count_users(cfg, corpus)).needs_server_data and not cfg.data.public_frac:
-            raise ValueError(f"{spec} needs the server's own public and test data: set data.public_frac (e.g. 0.1)")
+    shape = model_config(cfg.model)  # sizes only, no weights
+    problems = []
+    for spec in cfg.methods:  # every method's options checked before the model loads, all problems at once
+        algo = build_algorithm(cfg, spec, count_users(cfg, corpus))
+        if algo.needs_server_data and not cfg.data.public_frac:
+            problems.append(f"{spec} needs the server's own public and test data: set data.public_frac (e.g. 0.1)")
+        problems += [f"{p} (model {cfg.model})" for p in algo.check_model(shape) if f"{p} (model" not in problems]
+    if problems:
+        raise ValueError("; ".join(dict.fromkeys(problems)))
     public = public_corpus_of(cfg)  # its categories checked before the model loads
     model, tok = load_base_model(cfg.model, dropout=cfg.dropout)
     context = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)

@@ -262,3 +262,30 @@ def test_a_full_disk_while_writing_says_so_and_keeps_the_previous_file(tmp_path)
     assert target.read_text() == "previous" and [f.name for f in tmp_path.iterdir()] == ["checkpoint.pt"]
     with pytest.raises(RuntimeError, match="boom"):  # any other failure is not dressed up as a full disk
         atomic_write(target, lambda p: (_ for _ in ()).throw(RuntimeError("boom")))
+
+
+def test_model_shaped_options_are_checked_from_the_config_all_at_once(tmp_path, capsys, monkeypatch):
+    """K part 2: DeepFusion's device specs and stages against the base's sizes, every problem in
+    one line naming deepfusion.devices / deepfusion.stages and the model, before any weights or
+    data load and before the run directory exists; methods=[] is refused."""
+    import comix.models
+    monkeypatch.setattr(comix.models, "load_base_model", lambda *a, **k: pytest.fail("model loaded"))
+    run = tmp_path / "run"
+    common = ["run", "model=tiny-llama", f"run_dir={run}", "train.rounds=1", "data.public_frac=0.1"]
+    line = _fails(capsys, [*common, "methods=[deepfusion,ofa-kd]", "deepfusion.devices=[prune:1:1536,prune:9:32:64,base]"],
+                  "deepfusion.devices: 'prune:1:1536' on the base (llama with 64 ffn): ffn = 1536 must lie in [1, 64]")
+    assert "layers = 9 must lie in [1, 2]" in line and "width = 64 must lie in [1, 32]" in line
+    assert "(model tiny-llama)" in line and line.count("ffn = 1536") == 1  # once, though two methods share it
+    line = _fails(capsys, [*common, "methods=[deepfusion]", "deepfusion.devices=[prune:1:32,base]",
+                           "deepfusion.stages=2", "deepfusion.queries=64"],
+                  "deepfusion.stages = 2 exceeds the 1 blocks of 'prune:1:32'")
+    assert "the base" not in line  # the base has 2 blocks: enough
+    # FedKMT has no stage features: its stages are never used, so never refused
+    from comix.models.base import model_config
+    from comix.specs import build_algorithm
+    cfg = load_config(overrides=["model=tiny-llama", "train.rounds=1", "deepfusion.devices=[prune:1:32]",
+                                 "deepfusion.stages=2", "deepfusion.queries=64"])
+    assert build_algorithm(cfg, "fedkmt", 4).check_model(model_config("tiny-llama")) == []
+    assert build_algorithm(cfg, "deepfusion", 4).check_model(model_config("tiny-llama")) != []
+    assert not run.exists()
+    _fails(capsys, ["run", "model=tiny-llama", f"run_dir={run}", "methods=[]"], "methods is empty")

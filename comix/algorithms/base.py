@@ -218,6 +218,12 @@ class Algorithm:
         """The model named by ``device_spec``, built the same way on every engine."""
         raise NotImplementedError(f"{self.name} names device models but cannot build {spec!r}")
 
+    def check_model(self, model_config) -> list[str]:
+        """What is wrong with this method's options for a base of ``model_config`` (a transformers
+        config, no weights), each one line naming the config key: checked for every method before
+        any data or model loads (runner.load_inputs). Nothing by default."""
+        return []
+
     def declared_upload(self, model: nn.Module, adapters: Tensors) -> Tensors:
         """The tensors (names and shapes) this client's uploads will hold, from its freshly
         initialised model: what the server checks every later upload against."""

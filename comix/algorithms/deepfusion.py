@@ -43,7 +43,7 @@ from ..eval.perplexity import split_token_stats
 from ..eval.tasks import generated_token_accuracy
 from ..files import atomic_write
 from ..models.base import tokenizer_source
-from ..models.devices import build_device_model, parse_device_spec
+from ..models.devices import build_device_model, device_layers, device_problems, parse_device_spec
 from ..models.upcycle import expert_params, upcycle
 from ..models.vaa import ViewAlignedAttention, stage_ends, stage_features
 from ..runtime import Runtime, offload
@@ -252,6 +252,17 @@ class DeepFusion(Algorithm):
     # -- devices ---------------------------------------------------------------------------------
     def device_spec(self, client: int) -> str:
         return self.spec_of[client]
+
+    def check_model(self, model_config) -> list[str]:
+        """Every device spec against the base's sizes, and ``stages`` against every model's depth
+        (the student's and each device's: stage features need a block per stage)."""
+        problems = [p for spec in dict.fromkeys(self.devices) for p in device_problems(spec, model_config)]
+        if problems or self.feature not in ("vaa", "ofa"):  # stage features: VAA's and OFA-KD's only
+            return problems
+        depths = {"the base": model_config.num_hidden_layers,
+                  **{repr(s): device_layers(s, model_config) for s in dict.fromkeys(self.devices)}}
+        return [f"deepfusion.stages = {self.stages} exceeds the {n} blocks of {who}" for who, n in depths.items()
+                if n is not None and self.stages > n]
 
     def build_device_model(self, spec: str, base: nn.Module) -> nn.Module:
         model = build_device_model(spec, base)

@@ -39,17 +39,44 @@ def byte_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>")
 
 
-def tiny_model(spec: str, seed: int = 0):
-    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
+def tiny_config(spec: str):
+    from transformers import GPT2Config, LlamaConfig, Qwen2Config
 
     common = dict(vocab_size=257, bos_token_id=256, eos_token_id=256)
     if spec == "tiny-gpt2":
         # HF's GPT-2 dropouts (0.1) kept: load_base_model sets the run's `dropout`
-        cfg = GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=256, n_inner=64, **common)
-    else:
-        cls = LlamaConfig if spec == "tiny-llama" else Qwen2Config
-        cfg = cls(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True, **common)
+        return GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=256, n_inner=64, **common)
+    cls = LlamaConfig if spec == "tiny-llama" else Qwen2Config
+    return cls(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True, **common)
+
+
+def model_config(spec: str):
+    """The base model's transformers config without its weights (sizes, layers, architecture): what
+    the checks before any slow work read (``Algorithm.check_model``)."""
+    from transformers import AutoConfig
+
+    check_model_spec(spec)
+    if spec in TINY:
+        return tiny_config(spec)
+    if spec == "smollm2-135m":
+        cached = cache_dir() / "smollm2-135m"
+        if (cached / "config.json").exists():
+            return AutoConfig.from_pretrained(cached)
+        gguf = _smollm2_gguf()
+        return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    try:
+        return AutoConfig.from_pretrained(spec)
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"unknown model spec {spec!r}: not one of {', '.join(OFFLINE + TINY)}, "
+                         f"and its config did not load ({first})") from None
+
+
+def tiny_model(spec: str, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(spec)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)

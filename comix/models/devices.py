@@ -46,6 +46,34 @@ def parse_device_spec(spec: str) -> tuple[str, tuple[int, ...]]:
     return "pretrained", ()
 
 
+def device_problems(spec: str, base_config) -> list[str]:
+    """What is wrong with device ``spec`` for a base of ``base_config`` (transformers config, no
+    weights needed), each a line naming ``deepfusion.devices`` and the model; [] when it builds."""
+    try:
+        kind, nums = parse_device_spec(spec)
+    except ValueError as err:
+        return [str(err)]
+    if kind != "prune":
+        return []
+    c, out = base_config, []
+    where = f"deepfusion.devices: {spec!r} on the base ({c.model_type}"
+    if c.model_type != "llama":
+        return [f"{where}): only Llama-architecture bases are pruned here"]
+    for name, value, limit in (("layers", nums[0], c.num_hidden_layers), ("ffn", nums[1], c.intermediate_size),
+                               *((("width", nums[2], c.hidden_size),) if len(nums) > 2 else ())):
+        if not 1 <= value <= limit:
+            out.append(f"{where} with {limit} {name}): {name} = {value} must lie in [1, {limit}]")
+    return out
+
+
+def device_layers(spec: str, base_config) -> int | None:
+    """The number of blocks device ``spec`` will have (None for a pretrained model: unknown)."""
+    kind, nums = parse_device_spec(spec)
+    if kind == "base":
+        return base_config.num_hidden_layers
+    return nums[0] if nums else None
+
+
 def _random_model(arch: str, layers: int, width: int, base: nn.Module, seed: int) -> nn.Module:
     from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
 
