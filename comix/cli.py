@@ -294,6 +294,34 @@ def cmd_data(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from .export import export_personal
+    out = export_personal(Path(args.dir), args.user, Path(args.out), method=args.method, merged=args.merged,
+                          static=args.static)
+    man = json.loads((out / "manifest.json").read_text())
+    print(f"exported {man['method']} / {args.user} ({man['kind']}) to {out}")
+    if man["kind"] == "lora":
+        print(f"  PEFT: PeftModel.from_pretrained(base, '{out}')" + (f"; merged model: {out}/merged" if args.merged else ""))
+    else:
+        print(f"  {len(man['experts'])} experts as PEFT folders under {out}/experts, routers in {out}/routers.safetensors"
+              + (f"; static approximation: {out}/static" if args.static else ""))
+    print(f"  exact model: comix.load_personal('{out}'); try: comix generate {out} \"Hello\"")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    from .export import load_personal
+    model, tok = load_personal(args.dir)
+    ids = tok(args.prompt, return_tensors="pt")["input_ids"]
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, max_new_tokens=args.max_new_tokens, do_sample=False,
+                             pad_token_id=tok.pad_token_id or tok.eos_token_id)
+    print(args.prompt + tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+    return 0
+
+
 def config_help() -> str:
     """Methods and every config key with its default (for `comix run --help`)."""
     import dataclasses
@@ -369,13 +397,25 @@ def main(argv=None) -> int:
     d = sub.add_parser("data", help="token counts per user and split")
     d.add_argument("corpus", nargs="?", default="multilingual")
     d.add_argument("overrides", nargs="*")
+    e = sub.add_parser("export", help="a user's personalised model as PEFT folders and a manifest (comix.load_personal)")
+    e.add_argument("dir", help="a run folder (with --method when it holds several) or a method folder")
+    e.add_argument("--user", required=True)
+    e.add_argument("--out", required=True, help="a new folder")
+    e.add_argument("--method", help="the method spec, when the run holds several")
+    e.add_argument("--merged", action="store_true", help="plain LoRA: also the base with the LoRA merged (merged/)")
+    e.add_argument("--static", action="store_true",
+                   help="mixtures: also one PEFT adapter of the experts at the user's mean gate (static/, approximate)")
+    g = sub.add_parser("generate", help="a greedy completion from an exported model")
+    g.add_argument("dir", help="a `comix export` folder")
+    g.add_argument("prompt")
+    g.add_argument("--max-new-tokens", type=int, default=40)
     args = ap.parse_args(argv)
     if args.cmd in ("run", "compare") and args.config and "=" in args.config:  # `comix run key=value` (no file)
         args.overrides, args.config = [args.config, *args.overrides], None
     try:
         return {"run": cmd_run, "compare": cmd_compare, "ppl": cmd_ppl, "data": cmd_data,
                 "flower-demo": cmd_flower_demo, "flower-certs": cmd_flower_certs,
-                "flower-key": cmd_flower_key}[args.cmd](args)
+                "flower-key": cmd_flower_key, "export": cmd_export, "generate": cmd_generate}[args.cmd](args)
     except (ValueError, FileNotFoundError) as err:
         print(f"comix: error: {err}" + _resume_hint(args), file=sys.stderr)
         return 2
