@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
-import yaml
 
 
 def _console():
@@ -24,186 +22,24 @@ def _console():
     return Console(stderr=True)
 
 
-def results_table(results: list[dict], users: list[str]) -> str:
-    """Each method's test metric per user and its mean over users (``compare.user_table``'s layout)."""
-    from .compare import metric_of, user_table
-    cells = {}
-    for r in results:
-        key, mean = metric_of(r)
-        cells[r["method"]] = [f"{r['per_user'][u][key]:.2f}" if key in r["per_user"].get(u, {}) else "-"
-                              for u in users] + [f"{mean:.2f}"]
-    return user_table(cells, [*users, "mean"])
-
-
-def results_summary(results: list[dict]) -> str:
-    """What the console shows for many users: per method the mean, min and max over users."""
-    from .compare import metric_of
-    rows = ["| method | users | mean | min | max |", "|---|---|---|---|---|"]
-    for r in results:
-        key, mean = metric_of(r)
-        xs = [v[key] for v in r["per_user"].values() if key in v]
-        spread = f"{min(xs):.2f} | {max(xs):.2f}" if xs else "- | -"
-        rows.append(f"| {r['method']} | {len(xs)} | {mean:.2f} | {spread} |")
-    return "\n".join(rows)
-
-
 RUN_DIR: Path | None = None  # the run directory being written (named in the Ctrl-C message)
 
 
-CONFIG_LOCK = "config.lock.json"  # the settings a run started with: --resume must match them
-RESUME_MAY_CHANGE = {"threads", "keep_checkpoints", "run_dir"}  # change no number of the run
-
-
-def flat_config(cfg) -> dict:
-    """Every config key as a dotted name -> its JSON value."""
-    from .config import to_dict
-
-    def walk(d, prefix=""):
-        for k, v in d.items():
-            if isinstance(v, dict):
-                yield from walk(v, f"{prefix}{k}.")
-            else:
-                yield f"{prefix}{k}", v
-    return json.loads(json.dumps(dict(walk(to_dict(cfg))), default=str))
-
-
-def check_resume_config(run_dir: Path, cfg) -> None:
-    """--resume continues the run it names, not another: the config (config.yaml with the
-    command line's overrides) must equal the one the run started with, but for keys that change
-    no number (threads, keep_checkpoints). One line naming every differing key."""
-    lock = run_dir / CONFIG_LOCK
-    if not lock.exists():  # a run started before this check existed
-        return
-    started, now = json.loads(lock.read_text()), flat_config(cfg)
-    diff = sorted(k for k in started.keys() | now.keys() if k not in RESUME_MAY_CHANGE and started.get(k) != now.get(k))
-    if diff:
-        shown = ", ".join(f"{k} ({started.get(k)!r} -> {now.get(k)!r})" for k in diff[:4])
-        raise ValueError(f"--resume {run_dir}: the config differs from the one the run started with: {shown}"
-                         f"{f' and {len(diff) - 4} more' if len(diff) > 4 else ''}; resume with the run's own "
-                         "settings, or start a new run")
-
-
-def check_writable(run_dir: Path) -> None:
-    """The run directory can be made and written, checked before anything loads."""
-    parent = run_dir
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise ValueError(f"run_dir {run_dir}: {parent} is a file, not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"run_dir {run_dir}: {parent} is not writable")
-
-
-def _prepare(args, default_name: str):
-    """Load (or, with --resume, reload) the config and load data and model; only then create the
-    run directory with config.yaml, so a bad input leaves nothing behind."""
+def _set_run_dir(path: Path) -> None:
     global RUN_DIR
-    from .config import load_config, to_dict
-    from .files import atomic_write
-    from .runner import load_inputs
-
-    if args.resume:
-        run_dir = Path(args.resume)
-        if not (run_dir / "config.yaml").exists():
-            raise ValueError(f"--resume: {run_dir} holds no config.yaml (not a comix run directory)")
-        cfg = load_config(str(run_dir / "config.yaml"), args.overrides)
-        check_resume_config(run_dir, cfg)
-        RUN_DIR = run_dir
-        return (cfg, run_dir, *load_inputs(cfg))
-    cfg = load_config(args.config, args.overrides)
-    if getattr(args, "methods", None):
-        cfg.methods = list(args.methods)
-    if getattr(args, "seeds", None):
-        cfg.seeds = list(args.seeds)
-    cfg.validate()
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    run_dir = Path(cfg.run_dir or f"runs/{default_name}{cfg.corpus.strip('/').split('/')[-1]}-{stamp}")
-    cfg.run_dir = str(run_dir)
-    check_writable(run_dir)
-    loaded = load_inputs(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    RUN_DIR = run_dir
-    text = yaml.safe_dump(to_dict(cfg), sort_keys=False)
-    lock = json.dumps(flat_config(cfg), indent=1)
-    atomic_write(run_dir / CONFIG_LOCK, lambda p: Path(p).write_text(lock))
-    atomic_write(run_dir / "config.yaml", lambda p: Path(p).write_text(text))
-    from .data import describe_partition
-    part = json.dumps(describe_partition(loaded[2]), indent=1)  # the same for every method of the run
-    atomic_write(run_dir / "partition.json", lambda p: Path(p).write_text(part))
-    return (cfg, run_dir, *loaded)
+    RUN_DIR = path
 
 
 def cmd_run(args) -> int:
-    from .compare import metric_title
-    from .files import atomic_write
-    from .runner import run_spec
-    from .specs import spec_dirname
-
-    console = _console()
-    cfg, run_dir, model, _, users, table, server_data = _prepare(args, "")
-    console.print(f"[bold]comix run[/] {run_dir}  model={cfg.model} corpus={cfg.corpus} "
-                  f"device={model.device} precision={cfg.precision}\n{table}")
-    results = [run_spec(cfg, spec, cfg.seed, run_dir / spec_dirname(spec), model, users, console, server_data)
-               for spec in cfg.methods]
-    md = results_table(results, [u.name for u in users])
-    atomic_write(run_dir / "results.md", lambda p: Path(p).write_text(
-        f"{metric_title(results)} per user ({cfg.model}, {cfg.corpus}, seed {cfg.seed})\n\n{md}\n"))
-    atomic_write(run_dir / "results.json", lambda p: Path(p).write_text(json.dumps(results, indent=2)))
-    from .compare import MANY_USERS
-    print(md if len(users) <= MANY_USERS else results_summary(results) + f"\n(per user: {run_dir}/results.md)")
-    console.print(f"results: {run_dir}/results.md (per method: metrics.jsonl, results.json"
-                  f"{', adapters/' if not cfg.keep_checkpoints else ', checkpoint.pt'})")
+    from .api import run
+    run(args.config, *args.overrides, resume=args.resume, on_run_dir=_set_run_dir)
     return 0
 
 
 def cmd_compare(args) -> int:
-    from .compare import (MANY_USERS, collect, curves, global_model_tables, metric_title, overhead_table,
-                          plot_assignment, plot_curves, plot_global_model, plot_privacy, privacy_table, references,
-                          summary_tables)
-    from .files import atomic_write
-    from .runner import run_spec
-    from .specs import spec_dirname
-
-    console = _console()
-    cfg, run_dir, model, _, users, table, server_data = _prepare(args, "compare-")
-    seeds = cfg.seeds or [cfg.seed]
-    console.print(f"[bold]comix compare[/] {run_dir}  methods={' '.join(cfg.methods)} seeds={seeds}\n{table}")
-    for seed in seeds:
-        for spec in cfg.methods:
-            run_spec(cfg, spec, seed, run_dir / f"seed{seed}" / spec_dirname(spec), model, users, console,
-                     server_data)
-    results = collect(run_dir, cfg.methods, seeds)
-    # the users the results score: the devices, or the server's test domains (DeepFusion)
-    scored = {k for by in results.values() for r in by.values() for k in r["per_user"]}
-    names = [u.name for u in users if u.name in scored] + sorted(scored - {u.name for u in users})
-    md = summary_tables(results, names)
-    title = metric_title([r for by in results.values() for r in by.values()])
-    setup = f"mode {cfg.data.mode}" if all(u.task == "lm" for u in users) else \
-        f"partition {cfg.data.partition}" + (f", alpha {cfg.data.alpha}" if cfg.data.partition == "dirichlet" else "")
-    header = (f"{title} ({cfg.model}, {cfg.corpus}, {setup}, seeds {seeds}): "
-              "mean over users (of the last round), then mean (std) over seeds\n\n")
-    overhead = overhead_table(run_dir, cfg.methods, seeds)
-    global_tables = global_model_tables(run_dir, results, cfg.methods, seeds)
-    private = privacy_table(results)
-    if private:
-        global_tables = (global_tables + "\n\n" if global_tables else "") + \
-            "Utility and privacy (client-level DP-FedAvg; comix/privacy.py)\n\n" + private
-    atomic_write(run_dir / "compare.md", lambda p: Path(p).write_text(
-        header + md + "\n\nSystem overhead per client and round (FedAMoLE Table IV; mean over rounds, clients "
-        "and seeds)\n\n" + overhead + "\n" + (f"\n{global_tables}\n" if global_tables else "")))
-    atomic_write(run_dir / "compare.json", lambda p: Path(p).write_text(json.dumps(
-        {spec: {str(s): r for s, r in by.items()} for spec, by in results.items()}, indent=2)))
-    data = curves(run_dir, cfg.methods, seeds)
-    refs = references(results)
-    drawn = [f for f, per_user in (("curves.png", False), ("curves_per_user.png", True))
-             if plot_curves(data, run_dir / f, per_user=per_user, refs=refs, ylabel=title)]
-    drawn += ["global-model.png"] if plot_global_model(run_dir, results, seeds, run_dir / "global-model.png") else []
-    drawn += ["privacy.png"] if plot_privacy(results, run_dir / "privacy.png") else []
-    drawn += [f"assignment-{spec_dirname(spec)}.png" for spec in cfg.methods
-              if plot_assignment(run_dir, spec, seeds[0], run_dir / f"assignment-{spec_dirname(spec)}.png")]
-    shown = md if len(names) <= MANY_USERS else md.split("\n\n")[0] + f"\n\n(per user: {run_dir}/compare.md)"
-    print(shown + "\n\n" + overhead + (f"\n\n{global_tables}" if global_tables else ""))
-    console.print(f"wrote {run_dir}/compare.md, compare.json" + "".join(f", {f}" for f in drawn))
+    from .api import compare
+    compare(args.config, *args.overrides, methods=args.methods, seeds=args.seeds, resume=args.resume,
+            on_run_dir=_set_run_dir)
     return 0
 
 
@@ -245,6 +81,7 @@ def cmd_flower_demo(args) -> int:
         print(f"comix: error: the Flower run failed (see {work}/*.log)\n{res.stdout[-2000:]}{res.stderr[-2000:]}",
               file=sys.stderr)
         return 1
+    from .api import results_table
     result = json.loads(out.read_text())
     print(results_table([result], users))
     console.print(f"done in {time.time() - t0:.0f} s; every process stopped; metrics in {out.parent}")
@@ -295,7 +132,7 @@ def cmd_data(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from .export import export_personal
+    from .personal import export_personal
     out = export_personal(Path(args.dir), args.user, Path(args.out), method=args.method, merged=args.merged,
                           static=args.static)
     man = json.loads((out / "manifest.json").read_text())
@@ -312,7 +149,7 @@ def cmd_export(args) -> int:
 def cmd_generate(args) -> int:
     import torch
 
-    from .export import load_personal
+    from .personal import load_personal
     model, tok = load_personal(args.dir)
     ids = tok(args.prompt, return_tensors="pt")["input_ids"]
     with torch.inference_mode():

@@ -163,7 +163,7 @@ def test_many_clients_read_as_rows_and_the_console_shows_a_summary(tmp_path, cap
     """A 1000-column table cannot be read (issue G, 1000 clients): past MANY_USERS users the
     per-user table lists users as rows, the console shows mean / min / max per method, and no
     per-user figure is drawn; a few users keep CoMiGS's layout (methods as rows)."""
-    from comix.cli import results_table
+    from comix.api import results_table
     from comix.compare import MANY_USERS
     names = [f"u{i}" for i in range(MANY_USERS + 4)]
     result = {"method": "local", "metric": "test_ppl", "mean": 2.5,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from comix.cli import main
-from comix.export import ExportError, export_personal, load_personal, rebuild
+from comix.personal import ExportError, export_personal, load_personal, rebuild
 from comix.models import AdapterConfig, inject_adapters, load_base_model
 from test_cli import TINY, _user_dirs
 
@@ -129,3 +129,20 @@ def test_bad_exports_are_one_line_and_leave_nothing(run, tmp_path, capsys):
     with pytest.raises(ExportError, match="the base model's weights differ"):
         load_personal(done, base=other)
     fails(["generate", str(tmp_path), "hi"], "not a `comix export` folder")
+
+
+def test_the_python_face_runs_exports_and_reloads(tmp_path):
+    """comix.run / comix.export / comix.load_personal, as the README and examples/ use them."""
+    import comix
+    from comix.api import overrides_of
+
+    assert overrides_of(["seed=1"], {"train": {"rounds": 2}, "train.lr": 0.01, "methods": ["fedavg"]}) == \
+        ["seed=1", "train.rounds=2", "train.lr=0.01", 'methods=["fedavg"]']
+    data = _user_dirs(tmp_path / "data")
+    settings = dict(arg.split("=", 1) for arg in TINY)
+    results = comix.run(None, *[f"{k}={v}" for k, v in settings.items()], corpus=str(data), methods=["fedavg"],
+                        run_dir=str(tmp_path / "run"), quiet=True)
+    assert [r["method"] for r in results] == ["fedavg"] and set(results[0]["per_user"]) == {"alice", "bob", "carol"}
+    out = comix.export(tmp_path / "run", user="alice", out=tmp_path / "alice")
+    model, tok = comix.load_personal(out)
+    assert tok is not None and model(input_ids=_ids()).logits.shape == (2, 24, 257)
