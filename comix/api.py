@@ -104,6 +104,13 @@ def check_writable(run_dir: Path) -> None:
         raise ValueError(f"run_dir {run_dir}: {parent} is not writable")
 
 
+def scored_names(results: list[dict], users) -> list[str]:
+    """The columns of a results table: the users the results score, in the run's order, then the
+    server's test domains (DeepFusion's and FedJETS's global model is scored per domain)."""
+    scored = {k for r in results for k in r["per_user"]}
+    return [u.name for u in users if u.name in scored] + sorted(scored - {u.name for u in users})
+
+
 def prepare(config=None, overrides=(), resume=None, default_name: str = "", methods=None, seeds=None,
             on_run_dir: Callable[[Path], None] | None = None):
     """Load (or, with ``resume``, reload) the config and load data and model; only then create the
@@ -161,14 +168,18 @@ def run(config=None, *overrides: str, resume=None, quiet: bool = False, on_run_d
                                                                  "", on_run_dir=on_run_dir)
     console.print(f"[bold]comix run[/] {run_dir}  model={cfg.model} corpus={cfg.corpus} "
                   f"device={model.device} precision={cfg.precision}\n{table}")
+    if len(cfg.seeds) > 1:
+        console.print(f"seeds {cfg.seeds} make a grid: `comix run` runs seed {cfg.seed} only; "
+                      "`comix compare` runs every seed")
     results = [run_spec(cfg, spec, cfg.seed, run_dir / spec_dirname(spec), model, users, console, server_data)
                for spec in cfg.methods]
-    md = results_table(results, [u.name for u in users])
+    names = scored_names(results, users)
+    md = results_table(results, names)
     atomic_write(run_dir / "results.md", lambda p: Path(p).write_text(
         f"{metric_title(results)} per user ({cfg.model}, {cfg.corpus}, seed {cfg.seed})\n\n{md}\n"))
     atomic_write(run_dir / "results.json", lambda p: Path(p).write_text(json.dumps(results, indent=2)))
     if not quiet:
-        print(md if len(users) <= MANY_USERS else results_summary(results) + f"\n(per user: {run_dir}/results.md)")
+        print(md if len(names) <= MANY_USERS else results_summary(results) + f"\n(per user: {run_dir}/results.md)")
     console.print(f"results: {run_dir}/results.md (per method: metrics.jsonl, results.json, privacy.md"
                   f"{', adapters/' if not cfg.keep_checkpoints else ', checkpoint.pt'})")
     return results
@@ -195,9 +206,7 @@ def compare(config=None, *overrides: str, methods=None, seeds=None, resume=None,
             run_spec(cfg, spec, seed, run_dir / f"seed{seed}" / spec_dirname(spec), model, users, console,
                      server_data)
     results = collect(run_dir, cfg.methods, seeds)
-    # the users the results score: the devices, or the server's test domains (DeepFusion)
-    scored = {k for by in results.values() for r in by.values() for k in r["per_user"]}
-    names = [u.name for u in users if u.name in scored] + sorted(scored - {u.name for u in users})
+    names = scored_names([r for by in results.values() for r in by.values()], users)
     md = summary_tables(results, names)
     title = metric_title([r for by in results.values() for r in by.values()])
     setup = f"mode {cfg.data.mode}" if all(u.task == "lm" for u in users) else \

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -125,9 +126,9 @@ def cmd_data(args) -> int:
     from .config import load_config
     cfg = load_config(None, [f"corpus={args.corpus}", *args.overrides])
     from .data import load_corpus, make_user_data, token_table
-    from .models import load_base_model
-    _, tok = load_base_model(cfg.model)
-    print(token_table(make_user_data(load_corpus(cfg.corpus), tok, cfg.data)))
+    from .models.base import load_tokenizer
+    corpus = load_corpus(cfg.corpus)  # an unknown corpus fails before anything loads
+    print(token_table(make_user_data(corpus, load_tokenizer(cfg.model), cfg.data)))
     return 0
 
 
@@ -167,7 +168,14 @@ def config_help() -> str:
     from .algorithms import METHODS
     from .config import RunConfig
 
-    lines = ["methods (methods=[a,b] or a spec such as hetlora:reg=0.05):",
+    from .data.sources import corpus_names
+    from .models.base import OFFLINE, TINY
+
+    lines = [textwrap.fill(f"models (model=...): {', '.join(OFFLINE)} (offline, the default), {', '.join(TINY)} "
+                           "(tiny random models for tests and quick tries), any Hugging Face hub id or local model "
+                           "folder", 96, subsequent_indent="  "),
+             textwrap.fill(f"corpora (corpus=...): {corpus_names()}", 96, subsequent_indent="  "), "",
+             "methods (methods=[a,b] or a spec such as hetlora:reg=0.05):",
              textwrap.fill(", ".join(METHODS), 96, initial_indent="  ", subsequent_indent="  "),
              "", "config keys (key=value; sections take section.key=value):"]
     cfg = RunConfig()
@@ -194,6 +202,8 @@ def main(argv=None) -> int:
     from . import __version__
 
     RUN_DIR = None
+    # transformers' / the hub's own loading bars would interleave with comix's progress (issue K)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
     ap = argparse.ArgumentParser(prog="comix", description="Collaborative fine-tuning with mixtures of LoRA experts")
     ap.add_argument("--version", action="version", version=f"comix {__version__}")
@@ -203,11 +213,14 @@ def main(argv=None) -> int:
     r.add_argument("config", nargs="?", help="YAML recipe (see configs/)")
     r.add_argument("overrides", nargs="*", help="key=value, e.g. train.rounds=2 methods=[local]")
     r.add_argument("--resume", metavar="RUN_DIR", help="continue a killed run")
-    p = sub.add_parser("ppl", help="pretrained perplexity on the built-in test splits")
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--corpus", nargs="+", default=["topics", "multilingual"])
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=8)
+    defaults = argparse.ArgumentDefaultsHelpFormatter
+    p = sub.add_parser("ppl", help="pretrained perplexity on the built-in test splits", formatter_class=defaults,
+                       description="Perplexity of the frozen base model on each user's test split of built-in corpora.")
+    p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, tiny-llama, tiny-gpt2, tiny-qwen2, a hub id "
+                   "or a local folder")
+    p.add_argument("--corpus", nargs="+", default=["topics", "multilingual"], help="built-in corpora")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per evaluation window")
+    p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
     p.add_argument("--test-tokens", type=int, default=0, help="cap per user (0 = the whole test split)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
@@ -231,9 +244,11 @@ def main(argv=None) -> int:
     fk = sub.add_parser("flower-key", help="an ECDSA key pair for one SuperNode")
     fk.add_argument("directory")
     fk.add_argument("name")
-    d = sub.add_parser("data", help="token counts per user and split")
-    d.add_argument("corpus", nargs="?", default="multilingual")
-    d.add_argument("overrides", nargs="*")
+    d = sub.add_parser("data", help="token counts per user and split", formatter_class=defaults,
+                       description="Token counts per user and split (CoMiGS Table 4) as a run would split the "
+                                   "corpus; loads the model's tokenizer only.")
+    d.add_argument("corpus", nargs="?", default="multilingual", help="a corpus name or folder (see comix run --help)")
+    d.add_argument("overrides", nargs="*", help="key=value config keys, e.g. model=tiny-llama data.mode=ood")
     e = sub.add_parser("export", help="a user's personalised model as PEFT folders and a manifest (comix.load_personal)")
     e.add_argument("dir", help="a run folder (with --method when it holds several) or a method folder")
     e.add_argument("--user", required=True)

@@ -112,6 +112,7 @@ def plot_curves(data: dict, path: Path, per_user: bool, refs: dict | None = None
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     from .files import atomic_write
 
@@ -134,6 +135,8 @@ def plot_curves(data: dict, path: Path, per_user: bool, refs: dict | None = None
             if level is not None:
                 ax.axhline(level, ls="--", lw=1, color="grey", label=spec)
         ax.set_title(panel)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # iterations are whole numbers
+        ax.ticklabel_format(axis="y", useOffset=False, style="plain")
         ax.set_xlabel("iteration")
         ax.set_ylabel(ylabel)
     axes[0][-1].legend(fontsize=7)

@@ -194,6 +194,31 @@ def _set(obj, dotted: str, value, prefix: str = "") -> None:
     setattr(obj, head, value)
 
 
+def method_list(text: str) -> list[str]:
+    """``[fedavg,hetlora:ranks=[16,16,32,32],reg=0.05]`` -> ["fedavg", "hetlora:ranks=[16,16,32,32],reg=0.05"]:
+    commas inside brackets stay, and a piece that does not start with a method name (``reg=0.05``)
+    is one more option of the spec before it."""
+    inner = text.strip()[1:-1] if text.strip().endswith("]") else text.strip()[1:]
+    pieces, depth, cur = [], 0, ""
+    for ch in inner:
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            pieces.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    pieces.append(cur.strip())
+    specs: list[str] = []
+    for piece in filter(None, (p.strip("'\"") for p in pieces)):
+        head = piece.split(":")[0].split("=")[0]
+        if specs and ":" in specs[-1] and head not in METHODS:
+            specs[-1] += "," + piece
+        else:
+            specs.append(piece)
+    return specs
+
+
 def load_config(path: str | None = None, overrides: list[str] = (), text: str | None = None) -> RunConfig:
     """A validated RunConfig from a YAML file (or YAML ``text``, e.g. sent to a Flower device)."""
     cfg = RunConfig()
@@ -217,10 +242,13 @@ def load_config(path: str | None = None, overrides: list[str] = (), text: str | 
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key=value")
         k, v = item.split("=", 1)
-        try:
-            value = yaml.safe_load(v)
-        except yaml.YAMLError:
-            value = v
+        if k.strip() == "methods" and v.strip().startswith("[") and ":" in v:
+            value = method_list(v)  # specs with options need no quoting
+        else:
+            try:
+                value = yaml.safe_load(v)
+            except yaml.YAMLError:
+                value = v
         _set(cfg, k.strip(), value)
     try:
         for sec in (cfg.data, cfg.train, cfg.lora):  # re-run dataclass checks after edits

@@ -10,13 +10,22 @@ from pathlib import Path
 from typing import Callable
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write(path: Path, write: Callable[[str], None]) -> None:
-    """Write through a temp file in the same directory, then rename: never a half-written file."""
+    """Write through a temp file in the same directory, then rename: never a half-written file.
+    The file gets the mode a plain ``open`` would give it (mkstemp's is 0600), so every file of a
+    run shares one mode."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except (OSError, RuntimeError) as err:
         # a full disk surfaces as ENOSPC, or from torch.save as "unexpected pos ..." (its zip writer)

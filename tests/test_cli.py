@@ -289,3 +289,36 @@ def test_model_shaped_options_are_checked_from_the_config_all_at_once(tmp_path, 
     assert build_algorithm(cfg, "deepfusion", 4).check_model(model_config("tiny-llama")) != []
     assert not run.exists()
     _fails(capsys, ["run", "model=tiny-llama", f"run_dir={run}", "methods=[]"], "methods is empty")
+
+
+def test_a_newcomer_s_first_minutes(tmp_path, capsys, monkeypatch):
+    """K parts 3-4: specs with brackets need no quotes; --help names models and corpora; `comix
+    data` loads no model and refuses an unknown corpus first; one file mode per run; `comix run`
+    says that it runs one seed of a grid; the domains are the columns of a server-scored table."""
+    from comix.api import scored_names
+    from comix.config import method_list
+
+    assert load_config(overrides=["methods=[fedavg,hetlora:ranks=[16,16,32,32],reg=0.05,local]"]).methods == \
+        ["fedavg", "hetlora:ranks=[16,16,32,32],reg=0.05", "local"]
+    assert method_list("[fedavg,'fedavg:privacy.clip=0.05,privacy.noise_multiplier=1']") == \
+        ["fedavg", "fedavg:privacy.clip=0.05,privacy.noise_multiplier=1"]
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    out = capsys.readouterr().out
+    assert "tiny-llama" in out and "smollm2-135m" in out and "multilingual" in out and "qa-open" in out
+    import comix.models
+    monkeypatch.setattr(comix.models, "load_base_model", lambda *a, **k: pytest.fail("model loaded"))
+    monkeypatch.setattr(comix.models.base, "load_base_model", lambda *a, **k: pytest.fail("model loaded"))
+    assert main(["data", "topics", "model=tiny-llama"]) == 0
+    assert "TRAIN" in capsys.readouterr().out
+    _fails(capsys, ["data", "no-such-corpus"], "unknown corpus 'no-such-corpus'")
+    monkeypatch.undo()
+    data = _user_dirs(tmp_path / "data")
+    run = tmp_path / "run"
+    assert main(["run", f"corpus={data}", f"run_dir={run}", "methods=[fedavg]", "seeds=[1,2]", *TINY]) == 0
+    assert "runs seed 42 only" in capsys.readouterr().err.replace("\n", " ")
+    modes = {f.name: f.stat().st_mode & 0o777 for f in run.rglob("*") if f.is_file()}
+    assert len(set(modes.values())) == 1, modes  # results.json (atomic) and metrics.jsonl (appended) alike
+    users = [type("U", (), {"name": n})() for n in ("client0", "client1")]
+    assert scored_names([{"per_user": {"med": {}, "code": {}}}], users) == ["code", "med"]
+    assert scored_names([{"per_user": {"client1": {}, "client0": {}}}], users) == ["client0", "client1"]

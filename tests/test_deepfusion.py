@@ -323,6 +323,7 @@ def test_deepfusion_one_shot_end_to_end(tmp_path, monkeypatch):
             assert r["bytes_up"] == 4 * (sum(math.prod(s) for s in shapes.values()) + 384)
         res = json.loads((run / method / "results.json").read_text())
         assert res["metric"] == "test_ppl" and set(res["per_user"]) == {"med", "fin", "code"}
+        assert not list((run / method).glob("adapters/*.safetensors"))  # devices keep no adapters: no empty files
         assert all({"test_log_ppl", "test_token_acc", "test_base_log_ppl"} <= set(v) for v in res["per_user"].values())
         moe = AutoModelForCausalLM.from_pretrained(run / method / "global-moe")
         assert type(moe).__name__ == "MixtralForCausalLM" and moe.config.num_local_experts == 3

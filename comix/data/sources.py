@@ -31,6 +31,11 @@ def load_corpus(name: str, **kw):
         return user_dirs(name)
     if name.endswith(".jsonl") and Path(name).is_file():
         return instruction_file(name)
-    raise ValueError(f"unknown corpus {name!r}: use one of "
-                     f"{', '.join([*BUILTIN, *QA_CORPORA, *BUILTIN_SETS, *ONLINE, *QA_ONLINE, *ONLINE_SETS])}, "
-                     "a directory with one folder per client or a .jsonl file of instruction examples")
+    raise ValueError(f"unknown corpus {name!r}: use one of {corpus_names()}")
+
+
+def corpus_names() -> str:
+    """Every corpus name ``load_corpus`` takes, in words (errors and ``comix run --help``)."""
+    return (f"{', '.join([*BUILTIN, *QA_CORPORA, *BUILTIN_SETS])} (built in, offline), "
+            f"{', '.join([*ONLINE, *QA_ONLINE, *ONLINE_SETS])} (online), a directory with one folder per client "
+            "or a .jsonl file of instruction examples")

@@ -73,6 +73,28 @@ def model_config(spec: str):
                          f"and its config did not load ({first})") from None
 
 
+def load_tokenizer(spec: str):
+    """The tokenizer of base model ``spec`` alone (no weights loaded or dequantised): the same one
+    ``load_base_model`` returns, so token caches are shared."""
+    from transformers import AutoTokenizer
+
+    check_model_spec(spec)
+    if spec in TINY:
+        return byte_tokenizer()
+    if spec == "smollm2-135m":
+        if not (cache_dir() / "smollm2-135m" / "tokenizer.json").exists():
+            return smollm2()[1]  # the first use builds the cache (one dequantisation, as any run's first load)
+        tok = AutoTokenizer.from_pretrained(cache_dir() / "smollm2-135m")
+    else:
+        try:
+            tok = AutoTokenizer.from_pretrained(spec)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"unknown model spec {spec!r}: its tokenizer did not load ({str(err).splitlines()[0]})") from None
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
 def tiny_model(spec: str, seed: int = 0):
     from transformers import AutoModelForCausalLM
 
