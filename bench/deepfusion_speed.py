@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from layer_speed import interleaved, paired_ratio  # noqa: E402
 
-from comix.algorithms.deepfusion import kd_loss  # noqa: E402
+from comix.models.kd import kd_loss  # noqa: E402
 from comix.models import load_base_model  # noqa: E402
 from comix.models.devices import build_device_model  # noqa: E402
 from comix.models.upcycle import moe_config  # noqa: E402

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from comix.algorithms.deepfusion import (OFABranches, architecture_of, average_models, check_same_vocabulary,
-                                         cluster_devices, kd_loss, proxy_teachers)
+from comix.algorithms.deepfusion import architecture_of, average_models, cluster_devices, proxy_teachers
+from comix.models.kd import OFABranches, check_same_vocabulary, kd_loss
 from comix.models.prune import block_influence, kept_layers, prune
 from comix.models.upcycle import expert_params, upcycle
 from comix.models.vaa import ViewAlignedAttention, pool_patches, stage_ends, stage_features
@@ -530,7 +530,7 @@ def test_recipes_give_fedjets_devices_the_one_shot_devices_step_budget():
 
 def test_public_tuning_draws_the_budgeted_public_batches_and_trains_every_moe_weight(monkeypatch):
     from comix.algorithms import TrainConfig
-    from comix.algorithms import deepfusion as module
+    from comix.algorithms import global_moe as module
     from comix.runtime import Runtime
     moe = upcycle([_llama(seed=s) for s in range(2)], top_k=1)
     before = {n: p.detach().clone() for n, p in moe.named_parameters()}
@@ -638,7 +638,7 @@ def test_gate_tuning_trains_everything_but_the_experts():
 
 
 def test_ofa_loss_enhances_the_target_and_ignores_unlabelled_tokens():
-    from comix.algorithms.deepfusion import ofa_loss
+    from comix.models.kd import ofa_loss
     gen = torch.Generator().manual_seed(0)
     s, t = torch.randn(2, 3, 7, generator=gen), torch.randn(2, 3, 7, generator=gen)
     y = torch.tensor([[1, 4, -100], [0, 6, 2]])

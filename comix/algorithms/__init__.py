@@ -12,7 +12,11 @@ from ..models import LoRAConfig
 from .base import Algorithm, ClientContext, ClientState, TrainConfig, average, expert_lr, tensor_bytes
 from .centralized import Centralized
 from .comigs import CoMiGS
-from .deepfusion import OFAKD, CEOnly, CentralMoE, DeepFusion, FedKMT
+from .central_moe import CentralMoE
+from .deepfusion import DeepFusion
+from .deepfusion_ce import CEOnly
+from .fedkmt import FedKMT
+from .ofa_kd import OFAKD
 from .fdlora import FDLoRA
 from .fdlora_fedamole import FDLoRAFedAMoLE
 from .fedamole import FedAMoLE

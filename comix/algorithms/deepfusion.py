@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import random
 import time
 import warnings
@@ -39,16 +38,15 @@ from transformers import AutoTokenizer
 
 from ..data import sample_batch
 from ..data.embed import MINILM, SentenceEncoder
-from ..eval.perplexity import split_token_stats
-from ..eval.tasks import generated_token_accuracy
-from ..files import atomic_write
 from ..models.base import tokenizer_source
 from ..models.devices import build_device_model, device_layers, device_problems, parse_device_spec
 from ..models.upcycle import expert_params, upcycle
-from ..models.vaa import ViewAlignedAttention, stage_ends, stage_features
+from ..models.kd import OFABranches, check_same_vocabulary, hidden_width, kd_loss
+from ..models.vaa import ViewAlignedAttention, stage_ends
 from ..runtime import Runtime, offload
-from .base import (Algorithm, ClientContext, ClientState, ServerContext, Tensors, batch_generator, expert_lr,
-                   lm_loss, make_optimizer, step_on)
+from .base import (Algorithm, ClientContext, ClientState, Tensors, batch_generator, expert_lr, lm_loss,
+                   make_optimizer, step_on)
+from .global_moe import load_device_upload, save_device_upload, save_moe, score_on_server, train_moe_on_public
 
 log = logging.getLogger("comix.deepfusion")
 
@@ -103,93 +101,6 @@ def proxy_teachers(models: list[nn.Module], labels: list[int], k: int) -> list[l
             by_arch.setdefault(architecture_of(m), []).append(m)
         out.append([(average_models(ms), len(ms) / len(members)) for _, ms in sorted(by_arch.items())])
     return out
-
-
-def check_same_vocabulary(teacher: nn.Module, student: nn.Module) -> None:
-    """Logit KL and position-aligned features need one token space (see the module docstring)."""
-    tv, sv = teacher.config.vocab_size, student.config.vocab_size
-    if tv != sv:
-        raise ValueError(f"deepfusion: a teacher ({type(teacher).__name__}) has vocab_size {tv}, the student {sv}; "
-                         "teachers must share the student's tokenizer")
-
-
-def hidden_width(model: nn.Module) -> int:
-    c = model.config
-    return getattr(c, "hidden_size", None) or c.n_embd
-
-
-def kd_loss(student_out, teacher_out, targets: torch.Tensor, vaa: ViewAlignedAttention | None, stages: int,
-            alpha: float, beta: float, temperature: float = 1.0, ofa: "OFABranches | None" = None) -> dict:
-    """Eq. 11 for one teacher on a batch whose next tokens are ``targets`` (B, T), aligned with
-    the logits: CE of the student, alpha * FM and beta * KL(teacher || student) of the next-token
-    distributions (eq. 10) at ``temperature`` with the usual T^2 factor, averaged over tokens.
-    FM is VAA's (eq. 9) with ``vaa``; none when alpha = 0 or no module is given (the logit-only
-    baseline). With ``ofa`` (OFA-KD, Hao et al. 2023) the logit terms are OFA's own: FM is the sum
-    over the student's intermediate-stage branches of the OFA loss of each branch's logits, and
-    the final logits' term is the OFA loss in place of the KL. Returns the terms and their total."""
-    logits = student_out.logits.float()
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-    log_t = F.log_softmax(teacher_out.logits.float() / temperature, -1)
-
-    def kl_to_teacher(student_logits: torch.Tensor) -> torch.Tensor:
-        log_s = F.log_softmax(student_logits.float() / temperature, -1)
-        return (log_t.exp() * (log_t - log_s)).sum(-1).mean() * temperature ** 2
-
-    fm = logits.new_zeros(())
-    if ofa is not None:
-        kl = ofa_loss(logits, teacher_out.logits, targets, ofa.eps, ofa.temperature)
-        if alpha:
-            fm = sum(ofa_loss(z, teacher_out.logits, targets, ofa.eps, ofa.temperature)
-                     for z in ofa(stage_features(student_out.hidden_states, stages)[:-1]))
-        return {"ce": ce, "fm": fm, "kl": kl, "total": ce + alpha * fm + beta * kl}
-    kl = kl_to_teacher(logits)
-    if alpha and vaa is not None:
-        fm = vaa.loss(stage_features(student_out.hidden_states, stages),
-                      stage_features(teacher_out.hidden_states, stages))
-    return {"ce": ce, "fm": fm, "kl": kl, "total": ce + alpha * fm + beta * kl}
-
-
-def ofa_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, targets: torch.Tensor, eps: float = 1.0,
-             temperature: float = 1.0) -> torch.Tensor:
-    """OFA-KD's loss (Hao et al., NeurIPS 2023; their distillers' ``ofa_loss``): the
-    cross-entropy of the student against the teacher's distribution whose target-class
-    probability is raised to (1 + p_t)^eps - 1 (eps = 1: plain cross-entropy to the teacher),
-    averaged over the tokens that have a target (-100: none)."""
-    keep = targets.reshape(-1) != -100
-    log_s = F.log_softmax(student_logits.float().reshape(-1, student_logits.shape[-1])[keep] / temperature, -1)
-    p_t = F.softmax(teacher_logits.float().reshape(-1, teacher_logits.shape[-1])[keep] / temperature, -1)
-    mask = F.one_hot(targets.reshape(-1)[keep], p_t.shape[-1]).float()
-    return (-((p_t + mask) ** eps - mask) * log_s).sum(-1).mean()
-
-
-class OFABranches(nn.Module):
-    """OFA-KD's branches for an LM: every intermediate student stage gets a branch of its own, a
-    projector (pre-norm residual MLP, the token-sequence counterpart of their ViT blocks) and its
-    own norm and head into the vocabulary, initialised from the student's final norm and head but
-    separate parameters (their branches end in classifier heads of their own; sharing the
-    student's head would push every branch's loss into the student's output layer)."""
-
-    def __init__(self, student: nn.Module, stages: int, eps: float = 1.0, temperature: float = 1.0):
-        super().__init__()
-        width = hidden_width(student)
-        base = student.get_decoder() if hasattr(student, "get_decoder") else student.base_model
-        norm = getattr(base, "norm", None) or getattr(base, "ln_f")
-        head = student.get_output_embeddings()
-        self.eps, self.temperature = eps, temperature
-        self.projectors = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.GELU(),
-                                                      nn.Linear(width, width)) for _ in range(stages - 1))
-        for p in self.projectors:
-            nn.init.zeros_(p[-1].weight)  # a branch starts as the student's head on its stage
-            nn.init.zeros_(p[-1].bias)
-        self.norms = nn.ModuleList(copy.deepcopy(norm) for _ in range(stages - 1))
-        self.heads = nn.ModuleList(nn.Linear(width, head.out_features, bias=False) for _ in range(stages - 1))
-        with torch.no_grad():
-            for h in self.heads:
-                h.weight.copy_(head.weight)
-        self.requires_grad_(True)
-
-    def forward(self, features: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [h(n(f + p(f))) for p, n, h, f in zip(self.projectors, self.norms, self.heads, features)]
 
 
 class DeepFusion(Algorithm):
@@ -469,199 +380,3 @@ class DeepFusion(Algorithm):
 
     def server_evaluate(self, server_state) -> dict[str, dict] | None:
         return None if self.moe is None else score_on_server(self.moe, self.server, self.train)
-
-
-def train_moe_on_public(moe: nn.Module, public: torch.Tensor, steps: int, batch: int, params: list, lr: float,
-                        aux_loss_coef: float, train, runtime: Runtime, gen: torch.Generator) -> list[float]:
-    """``steps`` AdamW steps of ``params`` on public batches of ``batch`` (next-token CE + Mixtral's
-    load balance); returns the CE of each step. DeepFusion's gate tuning and the baselines'
-    public data both take them."""
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    scaler = runtime.grad_scaler()
-    moe.train()
-    losses = [float(moe_step(moe, *sample_batch(public, batch, train.seq_len, gen), params, opt, aux_loss_coef,
-                             train, runtime, scaler)) for _ in range(steps)]
-    moe.eval().requires_grad_(False)
-    return losses
-
-
-def public_tuning(moe: nn.Module, public: torch.Tensor, steps: int, batch: int, lr: float, aux_loss_coef: float,
-                  train, runtime: Runtime, seed: int) -> dict:
-    """The server's public data for a baseline that has no teachers (FedJETS, central-moe):
-    ``steps`` AdamW steps of every MoE weight on public batches of ``batch`` (CE + load balance),
-    as many public batches as DeepFusion's server draws (K x kd_steps distillation steps and
-    tune_steps tuning steps), so the comparison is on equal server data (issue I)."""
-    if steps == 0:
-        return {"public_batches": 0}
-    moe.to(runtime.device).requires_grad_(True)
-    losses = train_moe_on_public(moe, public, steps, batch, list(moe.parameters()), lr, aux_loss_coef, train, runtime,
-                                 torch.Generator().manual_seed(seed))
-    return {"public_batches": steps, "ce_first": round(losses[0], 4), "ce_last": round(losses[-1], 4)}
-
-
-def moe_step(moe: nn.Module, x: torch.Tensor, y: torch.Tensor, params: list, opt, aux_loss_coef: float,
-             train, runtime: Runtime, scaler=None) -> torch.Tensor:
-    """One AdamW step of a Mixtral MoE on next-token CE + ``aux_loss_coef`` x its load-balancing
-    loss (DeepFusion's MoE tuning, the centralized bound, FedJETS's devices); returns the CE."""
-    x, y = x.long().to(runtime.device), y.long().to(runtime.device)
-    with runtime.autocast():
-        out = moe(input_ids=x, output_router_logits=True)
-        ce = F.cross_entropy(out.logits.float().reshape(-1, out.logits.shape[-1]), y.reshape(-1))
-        loss = ce + aux_loss_coef * out.aux_loss.float()
-    step_on(loss, params, opt, train.grad_clip, scaler)
-    return ce.detach()
-
-
-def score_on_server(model: nn.Module, server: ServerContext, train) -> dict[str, dict]:
-    """A global model (and, for comparison, the dense base before distillation) on every
-    domain's test data of the server: token perplexity and its log (Table I), the accuracy of
-    generated answers against the references (%, Table II: ``answer_acc``, on question-answer
-    data) and the teacher-forced next-token accuracy over the whole stream (``token_acc``)."""
-    if server is None or server.data is None:
-        raise ValueError("the global model is scored on the server's test data: set data.public_frac > 0")
-    out = {}
-    for domain, tokens in server.data.test.items():
-        row = {}
-        pairs = server.data.answers.get(domain)
-        for prefix, m in (("test", model), ("test_base", server.base)):
-            with server.runtime.autocast():
-                nll, n, correct = split_token_stats(m, tokens, train.seq_len, train.eval_batch_size)
-                if pairs:  # Table II: generated answers against the references
-                    row[f"{prefix}_answer_acc"] = generated_token_accuracy(
-                        m, pairs, server.data.pad_id, server.data.eos_id, train.eval_batch_size,
-                        train.max_new_tokens)
-            row.update({f"{prefix}_ppl": math.exp(nll / n), f"{prefix}_log_ppl": nll / n,
-                        f"{prefix}_token_acc": 100.0 * correct / n})
-        out[domain] = row
-    return out
-
-
-class CEOnly(DeepFusion):
-    """The same pipeline with alpha = beta = 0: the students learn from the public data's CE
-    alone (teachers unused), so each KD term's gain over it is visible (issue I)."""
-    name = "deepfusion-ce"
-    feature = "none"
-    variant = dict(alpha=0.0, beta=0.0)
-
-
-class FedKMT(DeepFusion):
-    """The paper's "FedKMT" baseline (FedMKT-style, Fan et al. 2024): the same pipeline, but each
-    proxy supervises its student through the final logits only (CE + beta * KL; no features)."""
-    name = "fedkmt"
-    feature = "none"
-
-
-class OFAKD(DeepFusion):
-    """OFA-KD baseline (Hao et al. 2023): every intermediate student stage projected into the
-    vocabulary by a branch with its own head (``OFABranches``), each branch and the final logits
-    trained with the OFA loss against the teacher's logits, in place of VAA and the KL."""
-    name = "ofa-kd"
-    feature = "ofa"
-
-
-def device_cache_path(key: str):
-    from ..models.base import cache_dir
-    return cache_dir() / "deepfusion-devices" / f"{key}.safetensors"
-
-
-def save_device_upload(key: str, upload: Tensors, metrics: dict, rng: torch.Tensor) -> None:
-    """A device's upload, metrics and batch RNG under ``$COMIX_CACHE/deepfusion-devices``
-    (temp file, then rename: a killed run leaves no half-written entry)."""
-    import json
-
-    from safetensors.torch import save_file
-
-    tensors = {**{f"upload.{n}": t.contiguous() for n, t in upload.items()}, "rng": rng.contiguous()}
-    atomic_write(device_cache_path(key), lambda p: save_file(tensors, p, metadata={"metrics": json.dumps(metrics)}))
-
-
-def load_device_upload(key: str) -> tuple[Tensors, dict, torch.Tensor] | None:
-    import json
-
-    from safetensors import safe_open
-
-    path = device_cache_path(key)
-    if not path.exists():
-        return None
-    with safe_open(str(path), "pt") as f:
-        tensors = {n: f.get_tensor(n) for n in f.keys()}
-        metrics = json.loads(f.metadata()["metrics"])
-    upload = {n[len("upload."):]: t for n, t in tensors.items() if n.startswith("upload.")}
-    return upload, metrics, tensors["rng"]
-
-
-def save_moe(moe: nn.Module, path, tokenizer_dir: str | None) -> None:
-    """``save_pretrained`` into a temp folder beside ``path``, then rename: never half a model."""
-    import shutil
-    import tempfile
-    from pathlib import Path
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
-    try:
-        moe.save_pretrained(tmp)
-        if tokenizer_dir:
-            AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp)
-        if path.exists():
-            shutil.rmtree(path)
-        tmp.rename(path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-class CentralMoE(DeepFusion):
-    """The upper bound of Fig. 9 (the paper's DeepSpeed baseline): the *same* global MoE
-    (upcycled from K copies of the dense base, Sec. II) trained centrally, every weight, on all
-    devices' training data pooled; scored on the server's test data like DeepFusion. Its step
-    budget is the devices' total (N x ``train.local_steps`` batches of ``train.batch_size``, the
-    batches cycling through the users), so it sees as many training tokens as the devices did.
-    Nothing is uploaded (the data is central)."""
-    name = "central-moe"
-    dp_refusal_reason = "it trains one model on every user's pooled data: there is no client upload to protect"
-    pooled = True
-
-    def device_spec(self, client: int) -> str:
-        return "central-moe"
-
-    def build_device_model(self, spec: str, base: nn.Module) -> nn.Module:
-        dense = copy.deepcopy(base).float()
-        moe = upcycle([dense] * self.k, top_k=self.top_k, seed=0, aux_loss_coef=self.aux_loss_coef)
-        self._initial[spec] = {n: t.detach().to("cpu", copy=True) for n, t in moe.state_dict().items()}
-        return moe.requires_grad_(True).train()
-
-    def declared_upload(self, model: nn.Module, adapters: Tensors) -> Tensors:
-        return {}
-
-    def client_round(self, ctx: ClientContext, state: ClientState, payload: Tensors):
-        model = ctx.model
-        model.load_state_dict(self._initial["central-moe"])
-        gen = batch_generator(state)
-        model.train()
-        params = list(model.parameters())
-        opt = make_optimizer(list(model.named_parameters()), ClientState(adapters={}), "moe", self.train)
-        scaler = ctx.runtime.grad_scaler()
-        steps = len(ctx.data) * self.train.local_steps  # the devices' total budget
-        losses = []
-        for step in range(steps):
-            for g in opt.param_groups:
-                g["lr"] = expert_lr(step, steps, self.train)
-            user = ctx.data[step % len(ctx.data)]  # batches cycle through the users
-            x, y = sample_batch(user.train, self.train.batch_size, self.train.seq_len, gen)
-            losses.append(moe_step(model, x, y, params, opt, self.aux_loss_coef, self.train, ctx.runtime, scaler))
-        state.rng = gen.get_state()
-        self.moe = model.eval()
-        return state, {}, {"train_loss": torch.stack(losses).mean().item(), "device_model": "central-moe",
-                           "device_params": sum(p.numel() for p in params), "train_steps": steps}
-
-    def server_round(self, server_state, uploads: dict[int, Tensors]):
-        if self.server is None or self.server.data is None:
-            raise ValueError(f"{self.name} is scored on the server's test data: set data.public_frac > 0")
-        public = torch.cat(list(self.server.data.public.values()))
-        report = public_tuning(self.moe, public, self.k * self.kd_steps + self.tune_steps, self.kd_batch, self.tune_lr,
-                               self.aux_loss_coef, self.train, self.server.runtime, self.server.seed)
-        save_moe(self.moe, self.server.out_dir / "global-moe", tokenizer_source(self.server.base))
-        return {"public": report}, {c: {} for c in range(self.n_clients)}
-
-    def server_report(self, server_state) -> dict:
-        return dict(server_state or {})

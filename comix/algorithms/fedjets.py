@@ -26,7 +26,7 @@ from ..models.base import tokenizer_source
 from ..models.upcycle import moe_config, upcycle
 from ..runtime import to_cpu
 from .base import Algorithm, ClientContext, ClientState, Tensors, batch_generator, expert_lr, make_optimizer
-from .deepfusion import moe_step, public_tuning, save_moe, score_on_server
+from .global_moe import moe_step, public_tuning, save_moe, score_on_server
 
 
 def _layer(name: str) -> int:

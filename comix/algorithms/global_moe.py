@@ -1,0 +1,135 @@
+"""What the servers of DeepFusion, FedJETS and the centralized bound share about their global
+mixture-of-experts LM: training it on the server's public data, scoring it on the server's test
+data by domain, saving it as a transformers (Mixtral) folder, and the cache of device uploads
+that lets a grid train each device once."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoTokenizer
+
+from ..data import sample_batch
+from ..eval.perplexity import split_token_stats
+from ..eval.tasks import generated_token_accuracy
+from ..files import atomic_write
+from ..runtime import Runtime
+from .base import ServerContext, Tensors, step_on
+
+
+def train_moe_on_public(moe: nn.Module, public: torch.Tensor, steps: int, batch: int, params: list, lr: float,
+                        aux_loss_coef: float, train, runtime: Runtime, gen: torch.Generator) -> list[float]:
+    """``steps`` AdamW steps of ``params`` on public batches of ``batch`` (next-token CE + Mixtral's
+    load balance); returns the CE of each step. DeepFusion's gate tuning and the baselines'
+    public data both take them."""
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    scaler = runtime.grad_scaler()
+    moe.train()
+    losses = [float(moe_step(moe, *sample_batch(public, batch, train.seq_len, gen), params, opt, aux_loss_coef,
+                             train, runtime, scaler)) for _ in range(steps)]
+    moe.eval().requires_grad_(False)
+    return losses
+
+
+def public_tuning(moe: nn.Module, public: torch.Tensor, steps: int, batch: int, lr: float, aux_loss_coef: float,
+                  train, runtime: Runtime, seed: int) -> dict:
+    """The server's public data for a baseline that has no teachers (FedJETS, central-moe):
+    ``steps`` AdamW steps of every MoE weight on public batches of ``batch`` (CE + load balance),
+    as many public batches as DeepFusion's server draws (K x kd_steps distillation steps and
+    tune_steps tuning steps), so the comparison is on equal server data (issue I)."""
+    if steps == 0:
+        return {"public_batches": 0}
+    moe.to(runtime.device).requires_grad_(True)
+    losses = train_moe_on_public(moe, public, steps, batch, list(moe.parameters()), lr, aux_loss_coef, train, runtime,
+                                 torch.Generator().manual_seed(seed))
+    return {"public_batches": steps, "ce_first": round(losses[0], 4), "ce_last": round(losses[-1], 4)}
+
+
+def moe_step(moe: nn.Module, x: torch.Tensor, y: torch.Tensor, params: list, opt, aux_loss_coef: float,
+             train, runtime: Runtime, scaler=None) -> torch.Tensor:
+    """One AdamW step of a Mixtral MoE on next-token CE + ``aux_loss_coef`` x its load-balancing
+    loss (DeepFusion's MoE tuning, the centralized bound, FedJETS's devices); returns the CE."""
+    x, y = x.long().to(runtime.device), y.long().to(runtime.device)
+    with runtime.autocast():
+        out = moe(input_ids=x, output_router_logits=True)
+        ce = F.cross_entropy(out.logits.float().reshape(-1, out.logits.shape[-1]), y.reshape(-1))
+        loss = ce + aux_loss_coef * out.aux_loss.float()
+    step_on(loss, params, opt, train.grad_clip, scaler)
+    return ce.detach()
+
+
+def score_on_server(model: nn.Module, server: ServerContext, train) -> dict[str, dict]:
+    """A global model (and, for comparison, the dense base before distillation) on every
+    domain's test data of the server: token perplexity and its log (Table I), the accuracy of
+    generated answers against the references (%, Table II: ``answer_acc``, on question-answer
+    data) and the teacher-forced next-token accuracy over the whole stream (``token_acc``)."""
+    if server is None or server.data is None:
+        raise ValueError("the global model is scored on the server's test data: set data.public_frac > 0")
+    out = {}
+    for domain, tokens in server.data.test.items():
+        row = {}
+        pairs = server.data.answers.get(domain)
+        for prefix, m in (("test", model), ("test_base", server.base)):
+            with server.runtime.autocast():
+                nll, n, correct = split_token_stats(m, tokens, train.seq_len, train.eval_batch_size)
+                if pairs:  # Table II: generated answers against the references
+                    row[f"{prefix}_answer_acc"] = generated_token_accuracy(
+                        m, pairs, server.data.pad_id, server.data.eos_id, train.eval_batch_size,
+                        train.max_new_tokens)
+            row.update({f"{prefix}_ppl": math.exp(nll / n), f"{prefix}_log_ppl": nll / n,
+                        f"{prefix}_token_acc": 100.0 * correct / n})
+        out[domain] = row
+    return out
+
+
+def device_cache_path(key: str):
+    from ..models.base import cache_dir
+    return cache_dir() / "deepfusion-devices" / f"{key}.safetensors"
+
+
+def save_device_upload(key: str, upload: Tensors, metrics: dict, rng: torch.Tensor) -> None:
+    """A device's upload, metrics and batch RNG under ``$COMIX_CACHE/deepfusion-devices``
+    (temp file, then rename: a killed run leaves no half-written entry)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    tensors = {**{f"upload.{n}": t.contiguous() for n, t in upload.items()}, "rng": rng.contiguous()}
+    atomic_write(device_cache_path(key), lambda p: save_file(tensors, p, metadata={"metrics": json.dumps(metrics)}))
+
+
+def load_device_upload(key: str) -> tuple[Tensors, dict, torch.Tensor] | None:
+    import json
+
+    from safetensors import safe_open
+
+    path = device_cache_path(key)
+    if not path.exists():
+        return None
+    with safe_open(str(path), "pt") as f:
+        tensors = {n: f.get_tensor(n) for n in f.keys()}
+        metrics = json.loads(f.metadata()["metrics"])
+    upload = {n[len("upload."):]: t for n, t in tensors.items() if n.startswith("upload.")}
+    return upload, metrics, tensors["rng"]
+
+
+def save_moe(moe: nn.Module, path, tokenizer_dir: str | None) -> None:
+    """``save_pretrained`` into a temp folder beside ``path``, then rename: never half a model."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+    try:
+        moe.save_pretrained(tmp)
+        if tokenizer_dir:
+            AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp)
+        if path.exists():
+            shutil.rmtree(path)
+        tmp.rename(path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
