@@ -8,23 +8,16 @@ import torch
 
 from comix.algorithms import TrainConfig, average, make_algorithm
 from comix.config import ConfigError, load_config
-from comix.data import SplitConfig, make_user_data
 from comix.engines.device import StateStore
 from comix.engines.inprocess import InProcess
 from comix.engines.server import sample_clients, serve
-from comix.models import LoRAConfig, load_base_model
+from comix.models import LoRAConfig
 from comix.privacy import (GaussianSumNoise, PrivacyConfig, calibrate, clip_upload, epsilon, epsilon_after,
                            resolve_privacy)
 from comix.specs import build_algorithm
+from test_server import setup  # noqa: F401 (the shared tiny fixture: tiny Llama, three users)
 
 TRAIN = dict(rounds=2, local_steps=2, batch_size=2, seq_len=16, eval_every=2, eval_batch_size=4)
-
-
-@pytest.fixture(scope="module")
-def setup():
-    model, tok = load_base_model("tiny-llama")
-    corpus = {c: [f"{c} text {i} " * 30 for i in range(12)] for c in ("a", "b", "c")}
-    return model, make_user_data(corpus, tok, SplitConfig(valid_tokens=400, test_tokens=200))
 
 
 class Recorder(InProcess):
