@@ -196,9 +196,11 @@ class Device:
         t0 = time.perf_counter()
         with self.runtime.autocast():
             state, upload, metrics = self.algorithm.client_round(self.context(), self.store[self.client], payload)
-        clip = self.algorithm.privacy.clip
-        if math.isfinite(clip):  # DP-FedAvg's clip, here on the device: nothing unclipped leaves it
-            upload, metrics["update_norm"] = clip_upload(upload, payload, clip, self.algorithm.dp_exempt)
+        # DP-FedAvg's clip, here on the device: nothing unclipped leaves it. The norm of the update
+        # (upload minus payload) is reported whatever the clip: what a user sets privacy.clip from.
+        if upload and self.algorithm.dp_refusal() is None:
+            upload, norm = clip_upload(upload, payload, self.algorithm.privacy.clip, self.algorithm.dp_exempt)
+            metrics["update_norm"] = round(norm, 6)
         metrics["train_s"] = round(time.perf_counter() - t0, 4)
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         metrics["trainable_mb"] = round(trainable * 4 * 4 / 2**20, 3)

@@ -1,0 +1,56 @@
+"""The README and docs/ name only what exists: every `comix <command>` is a subcommand, every
+recipe, script, example and doc path is in the repository (globs match), every recipe a command
+runs loads (issue J: the README is a front door, not a list of dead ends)."""
+import re
+from pathlib import Path
+
+import pytest
+
+from comix.cli import main
+from comix.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PATH = re.compile(r"(?<![\w/.-])((?:configs|bench|examples|docs|scripts)/[\w./*{},-]+)")
+
+
+def _paths(text: str):
+    for m in PATH.finditer(text):
+        p = m.group(1).rstrip(".,)")
+        if "{" in p:  # bench/{a,b}.py
+            head, alts, tail = re.match(r"(.*)\{(.*)\}(.*)", p).groups()
+            yield from (head + a + tail for a in alts.split(","))
+        else:
+            yield p
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_every_path_a_doc_names_exists(doc):
+    missing = [p for p in set(_paths(doc.read_text())) if "..." not in p and not list(ROOT.glob(p))]
+    assert not missing, f"{doc.name} names {missing}"
+
+
+def _commands(text: str):
+    """Every `comix ...` command of a doc: lines of fenced code blocks and inline code spans."""
+    fenced = "\n".join(re.findall(r"```[a-z]*\n(.*?)```", text, re.S))
+    inline = "\n".join(re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.S)))
+    for line in (fenced + "\n" + inline).splitlines():
+        line = line.split("#")[0]  # shell comments are prose
+        m = re.search(r"(?:^|[\s;&|(])comix ([a-z][a-z-]*)(.*)", line)
+        if m:
+            yield m.group(1), m.group(2)
+
+
+def test_every_comix_command_in_the_docs_is_a_subcommand_and_its_recipe_loads(capsys):
+    commands = [c for doc in DOCS for c in _commands(doc.read_text())]
+    assert len(commands) > 20
+    for name in sorted({n for n, _ in commands}):
+        with pytest.raises(SystemExit) as e:
+            main([name, "--help"])
+        assert e.value.code == 0, f"`comix {name}` is not a subcommand"
+    capsys.readouterr()
+    recipes = {m.group(1) for name, rest in commands if name in ("run", "compare")
+               for m in re.finditer(r"(configs/[\w./-]+\.yaml)", rest)}
+    assert len(recipes) > 5
+    for recipe in sorted(recipes):
+        load_config(str(ROOT / recipe))
