@@ -5,7 +5,7 @@ import torch
 
 from comix.algorithms import METHODS, ClientContext, ClientState, TrainConfig, make_algorithm, tensor_bytes
 from comix.algorithms import comigs as comigs_module
-from comix.algorithms.base import adapter_tensors, expert_params, load_adapters, router_params
+from comix.algorithms.training import adapter_tensors, expert_params, load_adapters, router_params
 from comix.data import SplitConfig, make_user_data
 from comix.engines import run_method
 from comix.engines.device import fresh_adapters
@@ -358,7 +358,7 @@ def test_expert_schedule_and_optimizer_follow_the_authors_code():
     """Cosine from lr to lr/10 over rounds x local steps, no warm-up (torch's CosineAnnealingLR
     with eta_min = lr/10, as epfml/CoMiGS clients.py); AdamW betas (0.9, 0.95), weight decay 1e-2."""
     from comix.algorithms import expert_lr
-    from comix.algorithms.base import make_optimizer
+    from comix.algorithms.training import make_optimizer
     train = TrainConfig(rounds=3, local_steps=5)
     p = torch.nn.Parameter(torch.zeros(1))
     ref_opt = torch.optim.AdamW([p], lr=train.lr)

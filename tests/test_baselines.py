@@ -6,7 +6,7 @@ import torch
 
 from comix.algorithms import ClientState, make_algorithm
 from comix.algorithms import comigs as comigs_module
-from comix.algorithms.base import load_adapters, lm_loss
+from comix.algorithms.training import load_adapters, lm_loss
 from comix.algorithms.fdlora import set_fusion
 from comix.algorithms.hetero import lora_pairs
 from comix.data import sample_batch

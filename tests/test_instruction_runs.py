@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from comix.algorithms import make_algorithm
-from comix.algorithms.base import ClientContext, ClientState, TrainConfig
+from comix.algorithms.base import ClientContext, ClientState
+from comix.algorithms.training import TrainConfig
 from comix.data import SplitConfig, describe_partition, load_corpus, make_user_data
 from comix.data.instructions import BUILTIN_DIR, RELATIONS, instruction_file
 from comix.eval.tasks import choice_accuracy, choice_losses, continuation_losses, generate_split, split_accuracy

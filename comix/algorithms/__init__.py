@@ -9,7 +9,8 @@ from __future__ import annotations
 import inspect
 
 from ..models import LoRAConfig
-from .base import Algorithm, ClientContext, ClientState, TrainConfig, average, expert_lr, tensor_bytes
+from .base import Algorithm, ClientContext, ClientState
+from .training import TrainConfig, average, expert_lr, tensor_bytes
 from .centralized import Centralized
 from .comigs import CoMiGS
 from .central_moe import CentralMoE

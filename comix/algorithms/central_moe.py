@@ -9,7 +9,8 @@ from torch import nn
 from ..data import sample_batch
 from ..models.base import tokenizer_source
 from ..models.upcycle import upcycle
-from .base import ClientContext, ClientState, Tensors, batch_generator, expert_lr, make_optimizer
+from .base import ClientContext, ClientState, Tensors
+from .training import batch_generator, expert_lr, make_optimizer
 from .deepfusion import DeepFusion
 from .global_moe import moe_step, public_tuning, save_moe
 

@@ -20,8 +20,8 @@ import re
 
 from ..data import sample_batch
 from ..models import AdapterConfig, LoRAConfig
-from .base import (Algorithm, ClientContext, ClientState, TrainConfig, keep_optimizer, lm_loss, make_optimizer,
-                   model_load_balance, router_params, step_on)
+from .base import Algorithm, ClientContext, ClientState
+from .training import TrainConfig, keep_optimizer, lm_loss, make_optimizer, model_load_balance, router_params, step_on
 
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
 

@@ -44,8 +44,8 @@ from ..models.upcycle import expert_params, upcycle
 from ..models.kd import OFABranches, check_same_vocabulary, hidden_width, kd_loss
 from ..models.vaa import ViewAlignedAttention, stage_ends
 from ..runtime import Runtime, offload
-from .base import (Algorithm, ClientContext, ClientState, Tensors, batch_generator, expert_lr, lm_loss,
-                   make_optimizer, step_on)
+from .base import Algorithm, ClientContext, ClientState, Tensors
+from .training import batch_generator, expert_lr, lm_loss, make_optimizer, step_on
 from .global_moe import load_device_upload, save_device_upload, save_moe, score_on_server, train_moe_on_public
 
 log = logging.getLogger("comix.deepfusion")

@@ -27,8 +27,8 @@ import torch
 from ..data import sample_batch
 from ..models import AdapterConfig, LoRAConfig, param_role
 from ..models.lora import LoRALinear
-from .base import (Algorithm, ClientContext, ClientState, Tensors, adapter_tensors, keep_optimizer,
-                   load_adapters, lm_loss, make_optimizer, expert_lr, step_on)
+from .base import Algorithm, ClientContext, ClientState, Tensors
+from .training import adapter_tensors, keep_optimizer, load_adapters, lm_loss, make_optimizer, expert_lr, step_on
 
 START = (0.5, 0.5)
 

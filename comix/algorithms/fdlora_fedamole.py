@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 from ..data import sample_batch
-from .base import ClientContext, ClientState, Tensors, held_out, lm_loss, load_adapters
+from .base import ClientContext, ClientState, Tensors
+from .training import held_out, lm_loss, load_adapters
 from .fedavg import FedIT
 
 

@@ -53,7 +53,8 @@ from ..data import sample_batch
 from ..models import AdapterConfig, mixtures
 from ..models.amole import AMoLEConfig, AMoLELinear, amole_load_balance
 from ..runtime import to_cpu
-from .base import Algorithm, ClientContext, ClientState, Tensors, adapter_tensors, held_out
+from .base import Algorithm, ClientContext, ClientState, Tensors
+from .training import adapter_tensors, held_out
 from .rsea import assign, assign_by_relevance, check_feasible, random_assignment
 
 _EXPERT = re.compile(r"^(?P<module>.+)\.experts\.(?P<id>\d+)\.lora_(?P<ab>[AB])$")

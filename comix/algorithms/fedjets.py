@@ -25,7 +25,8 @@ from torch import nn
 from ..models.base import tokenizer_source
 from ..models.upcycle import moe_config, upcycle
 from ..runtime import to_cpu
-from .base import Algorithm, ClientContext, ClientState, Tensors, batch_generator, expert_lr, make_optimizer
+from .base import Algorithm, ClientContext, ClientState, Tensors
+from .training import batch_generator, expert_lr, make_optimizer
 from .global_moe import moe_step, public_tuning, save_moe, score_on_server
 
 

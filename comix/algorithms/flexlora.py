@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from .base import Tensors, average
+from .base import Tensors
+
+from .training import average
 from .hetero import HeteroRank, is_hetero, lora_pairs
 
 

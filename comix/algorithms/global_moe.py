@@ -16,7 +16,8 @@ from ..eval.perplexity import split_token_stats
 from ..eval.tasks import generated_token_accuracy
 from ..files import atomic_write
 from ..runtime import Runtime
-from .base import ServerContext, Tensors, step_on
+from .base import ServerContext, Tensors
+from .training import step_on
 
 
 def train_moe_on_public(moe: nn.Module, public: torch.Tensor, steps: int, batch: int, params: list, lr: float,

@@ -17,7 +17,9 @@ import math
 
 import torch
 
-from .base import ClientContext, ClientState, Tensors, load_adapters
+from .base import ClientContext, ClientState, Tensors
+
+from .training import load_adapters
 from .hetero import HeteroRank, is_hetero, lora_pairs, truncate
 
 

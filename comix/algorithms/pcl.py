@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from ..data import sample_batch
-from .base import Algorithm, ClientContext, ClientState, Tensors, load_adapters, lm_loss
+from .base import Algorithm, ClientContext, ClientState, Tensors
+from .training import load_adapters, lm_loss
 
 
 @dataclass

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from ..algorithms import Algorithm, ClientContext, ClientState
-from ..algorithms.base import Tensors, adapter_tensors
+from ..algorithms.base import Tensors
+from ..algorithms.training import adapter_tensors
 from ..data import UserData
 from ..eval import perplexity
 from ..eval.tasks import split_accuracy, split_response_nll, split_rouge_l

@@ -1,0 +1,218 @@
+"""The local training every method shares: the training config (every optimisation choice and its
+source), the learning-rate schedule, AdamW with per-client moments, one gradient step, the LM
+loss and the load-balance term, and moving adapter tensors between a model and a client's
+state. ``base.py`` holds the contract; this module holds what its default ``local_training``
+and the methods' own loops are made of."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from ..models import MixtureOfLoRAMLP, load_balance_loss, mixtures, param_role
+from ..runtime import to_cpu
+
+if TYPE_CHECKING:
+    from .base import ClientState
+
+Tensors = dict[str, torch.Tensor]
+
+
+@dataclass
+class TrainConfig:
+    """Local training, one place for every optimisation choice and its source.
+
+    Paper = CoMiGS (ICML 2025) App. B.1; authors = epfml/CoMiGS, where the paper is silent.
+      lr 2e-3, "one-cycle cosine" .... paper. The authors' one cycle is torch's CosineAnnealingLR
+                                        from lr to lr/10 over rounds x local_steps, no warm-up
+                                        (collab_utils/clients.py): ``min_lr_ratio`` 0.1,
+                                        ``warmup_frac`` 0.
+      router_lr 2e-3, constant ......... paper (ConstantLR in the authors' clients.py).
+      AdamW betas (0.9, 0.95) .......... authors (clients.py: configure_optimizers(betas=...)).
+      weight_decay 1e-2 ................ authors (collab_run*.py: -wd default 1e-2); applied to both
+                                        optimizers here (the authors build both in one
+                                        configure_optimizers(weight_decay=...) call).
+      grad_clip 0 (none) ............... authors (clients.py clips nothing).
+      tau 30, router_steps 10 .......... paper App. B.1 (update period and steps of Alg. 1).
+      lb_weight 0.01, uniform .......... paper Sec. 3.3 / App. B.1 ("always applied").
+      10 local steps, 20 rounds, 64x128  paper App. B.1.
+      optimizer_state "run" ............ authors: one AdamW per client for the whole run, its
+                                        moments carried from round to round (clients.py builds
+                                        the optimizers once in Client.__init__).
+    FedAMoLE's recipes (configs/fedamole/) set the journal's Sec. V-A-4 instead: Adam (AdamW with
+    weight_decay 0, betas (0.9, 0.999): torch's Adam defaults) at 5e-5, ``schedule: round_decay``
+    (lr x ``lr_decay`` = 0.99 per round, the reference's ``--lr_decay``), batch 1, 200 steps, and
+    ``optimizer_state: round``: the FedAMoLE authors build a fresh Adam every round, for FedAMoLE
+    (node.py, Client.train_experts) and every baseline (baselines/trainer.py, init_optimizer in
+    each round's fed_avg), so moments and Adam's bias correction restart each round. FedAMoLE
+    itself always runs so (algorithms/fedamole.py: its moments would belong to slots, not experts).
+    At n = 2 experts with top-2 routing every expert is always selected (f_j = 1), so the
+    load-balance loss n * sum_j f_j P_j = 2 is a constant with zero gradient: it changes
+    nothing for 1G1S / 2G / 2S / pFedMoE (and Table 6's n = 2 rows are equal by construction).
+    """
+    rounds: int = 20
+    local_steps: int = 10           # expert iterations per round (paper App. B.1)
+    batch_size: int = 64
+    seq_len: int = 128
+    lr: float = 2e-3                # expert lr: cosine from lr to lr * min_lr_ratio
+    min_lr_ratio: float = 0.1
+    schedule: str = "cosine"        # cosine | round_decay (lr * lr_decay ** round: FedAMoLE)
+    lr_decay: float = 0.99
+    warmup_frac: float = 0.0        # share of the schedule spent in linear warm-up (authors: none)
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    optimizer_state: str = "run"    # run (moments kept across rounds: CoMiGS) | round (fresh each round: FedAMoLE)
+    grad_clip: float = 0.0          # max gradient norm; 0 = no clipping
+    router_lr: float = 2e-3         # constant (App. B.1)
+    tau: int = 30                   # router update period, in expert iterations
+    router_steps: int = 10          # router steps each period, on validation batches
+    lb_weight: float = 0.01         # lambda in eq. 7-8
+    load_balance: str = "uniform"   # none | uniform | generalist (eq. 10)
+    clients_per_round: int = 0      # clients sampled each round; 0 = client_fraction of them
+    client_fraction: float = 1.0    # (1.0: full participation, as in the papers)
+    client_sampling: str = "fixed"  # fixed (that many, without replacement) | poisson (each client with
+                                    # probability client_fraction: DP-FedAvg's sampling, McMahan et al. 2018)
+    eval_every: int = 1             # evaluate valid/test perplexity every k rounds (and the last)
+    eval_batch_size: int = 8
+    eval_splits: list[str] = field(default_factory=lambda: ["valid", "test"])
+    max_new_tokens: int = 128       # generation tasks: greedy answer length cap (FedAMoLE's evaluator)
+
+
+def batch_generator(state: ClientState) -> torch.Generator:
+    """This client's batch-sampling generator, continued from its saved state."""
+    gen = torch.Generator()
+    if state.rng is not None:
+        gen.set_state(state.rng)
+    return gen
+
+
+def held_out(data, frac: float, seq_len: int, cap: int | None = None):
+    """(training part, held-out part) of a client's training split: the last ``frac`` of its
+    instruction examples (at most ``cap`` of them) or of its tokens (at least one window). The
+    FedAMoLE authors carve this "aux" set off each client's training data (``--ratio_train_to_aux
+    0.95,0.05``, capped at 200 examples in data/data_loader.py): FedAMoLE embeds it (Sec. IV-D),
+    their FDLoRA fuses on it; neither trains on it."""
+    if hasattr(data, "subset"):
+        cut = len(data) - max(1, int(frac * len(data)))
+        return data.subset(0, cut), data.subset(cut, None if cap is None else cut + cap)
+    cut = len(data) - max(seq_len + 1, int(frac * len(data)))
+    return data[:cut], data[cut:]
+
+
+def tensor_bytes(tensors: Tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def expert_lr(step: int, total: int, train: TrainConfig) -> float:
+    """The expert learning rate at ``step`` (from 0) of ``total``: optional linear warm-up, then
+    cosine annealing from ``lr`` to ``lr * min_lr_ratio`` (torch's CosineAnnealingLR with
+    eta_min, as the authors' clients.py)."""
+    if train.schedule == "round_decay":  # constant within a round, x lr_decay after each
+        return train.lr * train.lr_decay ** (step // train.local_steps)
+    total = max(total, 1)
+    up = int(train.warmup_frac * total)
+    if step < up:
+        return train.lr * (step + 1) / up
+    low = train.lr * train.min_lr_ratio
+    frac = min(1.0, (step - up) / max(1, total - up))
+    return low + (train.lr - low) * (1 + math.cos(math.pi * frac)) / 2
+
+
+def average(uploads: dict[int, Tensors], noise=None) -> Tensors:
+    """Uniform mean of each tensor over the clients that uploaded it (CoMiGS eq. 4). ``noise``
+    (DP-FedAvg, ``privacy.GaussianSumNoise``) is added to each tensor's *sum* before the division,
+    tensors taken in sorted name order so that every engine draws the same noise."""
+    names = sorted({n for u in uploads.values() for n in u})
+    out = {}
+    for n in names:
+        ts = [u[n] for u in uploads.values() if n in u]
+        total = torch.stack([t.float() for t in ts]).sum(0)
+        out[n] = ((noise(total) if noise else total) / len(ts)).to(ts[0].dtype)
+    return out
+
+
+# -- helpers shared by algorithms and engines ------------------------------------------------------
+def adapter_tensors(model: nn.Module) -> Tensors:
+    """A CPU copy of every adapter tensor (client states live on the CPU between turns)."""
+    return {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if param_role(n) != "base"}
+
+
+def load_adapters(model: nn.Module, adapters: Tensors) -> None:
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for n, t in adapters.items():
+            params[n].copy_(t)
+
+
+def expert_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Everything trainable except routers (experts, plain LoRA, attention LoRA)."""
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad and param_role(n) != "router"]
+
+
+def router_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if param_role(n) == "router"]
+
+
+def make_optimizer(params, state: ClientState, key: str, train: TrainConfig, lr: float | None = None):
+    """AdamW with the run's betas and weight decay (TrainConfig lists the sources); with
+    ``optimizer_state="run"`` loaded with this client's own moments for ``key`` ("experts",
+    "router", ...), with ``"round"`` fresh (moments and bias correction start again)."""
+    opt = torch.optim.AdamW([p for _, p in params], lr=train.lr if lr is None else lr,
+                            betas=tuple(train.betas), weight_decay=train.weight_decay)
+    if train.optimizer_state == "run" and key in state.optimizers:  # this client's own moments only
+        opt.load_state_dict(state.optimizers[key])
+    return opt
+
+
+def keep_optimizer(state: ClientState, key: str, opt: torch.optim.Optimizer, train: TrainConfig) -> None:
+    """Store ``opt``'s moments in the client's state for the next round (``optimizer_state="run"``);
+    with ``"round"`` nothing is kept, so no moment can outlive the round that made it."""
+    if train.optimizer_state == "run":
+        state.optimizers[key] = to_cpu(opt.state_dict())
+    else:
+        state.optimizers.pop(key, None)
+
+
+def step_on(loss: torch.Tensor, params: list[nn.Parameter], opt: torch.optim.Optimizer, clip: float,
+            scaler: "torch.amp.GradScaler | None" = None) -> None:
+    """Gradients of ``loss`` w.r.t. ``params`` only (torch.autograd.grad), so no other
+    parameter receives or keeps a gradient: the router step cannot leak validation data into
+    experts and router gradients cannot accumulate between updates (DESIGN.md's reference bugs).
+    ``scaler``: fp16's dynamic loss scale (a step with inf/NaN gradients is skipped)."""
+    grads = torch.autograd.grad(scaler.scale(loss) if scaler else loss, params, allow_unused=True)
+    for p, g in zip(params, grads):
+        p.grad = torch.zeros_like(p) if g is None else g
+    if scaler:
+        scaler.unscale_(opt)
+    if clip:
+        torch.nn.utils.clip_grad_norm_(params, clip)
+    if scaler:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+    for p in params:
+        p.grad = None
+
+
+def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over the targets that are not -100 (instruction data: the
+    response only); the batch (sampled on the CPU) moves to the model's device. A model that
+    prepends virtual tokens (prompt tuning) returns logits for them too: the last positions are
+    the inputs'."""
+    device = model.get_input_embeddings().weight.device
+    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+    logits = model(input_ids=x).logits[:, -x.shape[1]:]
+    return nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def model_load_balance(model: nn.Module, weighting: str) -> torch.Tensor:
+    """Mean over blocks of each block's load-balance loss (from its last forward)."""
+    layers = [m for m in mixtures(model) if isinstance(m, MixtureOfLoRAMLP) and m.last_routing is not None
+              and m.n_experts > 1]
+    if not layers or weighting == "none":
+        return torch.zeros(())
+    return torch.stack([load_balance_loss(m.last_routing, m.n_experts, weighting) for m in layers]).mean()
