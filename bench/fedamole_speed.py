@@ -11,6 +11,8 @@
 """
 from __future__ import annotations
 
+import footprint  # noqa: F401  (prints wall time and peak RSS at exit)
+
 import argparse
 import statistics
 import sys

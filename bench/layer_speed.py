@@ -19,6 +19,8 @@ ratios are trustworthy when that is below 5 %).
 """
 from __future__ import annotations
 
+import footprint  # noqa: F401  (prints wall time and peak RSS at exit)
+
 import argparse
 import copy
 import statistics

@@ -11,6 +11,8 @@ of the cache. Prints a table and writes bench/results/main-job.md.
 """
 from __future__ import annotations
 
+import footprint  # noqa: F401  (prints wall time and peak RSS at exit)
+
 import argparse
 import os
 import platform

@@ -17,6 +17,8 @@ bench/results/main-job-floor.md.
 """
 from __future__ import annotations
 
+import footprint  # noqa: F401  (prints wall time and peak RSS at exit)
+
 import collections
 import os
 import platform

@@ -12,6 +12,8 @@ ones they replaced (evenly spaced blocks, first and last kept; neurons by weight
 """
 from __future__ import annotations
 
+import footprint  # noqa: F401  (prints wall time and peak RSS at exit)
+
 import math
 
 import torch

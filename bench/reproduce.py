@@ -12,6 +12,8 @@ seeds) is written to ``<out>/table.md`` and printed, next to the paper's qualita
 """
 from __future__ import annotations
 
+import footprint  # noqa: F401  (prints wall time and peak RSS at exit)
+
 import argparse
 import json
 import statistics

@@ -13,6 +13,8 @@ timed apart from the training rounds. Prints a table and writes bench/results/sc
 """
 from __future__ import annotations
 
+import footprint  # noqa: F401  (prints wall time and peak RSS at exit)
+
 import argparse
 import json
 import os

@@ -54,3 +54,19 @@ def test_every_comix_command_in_the_docs_is_a_subcommand_and_its_recipe_loads(ca
     assert len(recipes) > 5
     for recipe in sorted(recipes):
         load_config(str(ROOT / recipe))
+
+
+def test_every_bench_reports_its_footprint():
+    """Each bench prints its wall time and peak RSS at exit (bench/footprint.py), and the
+    footprint line is what it says."""
+    import subprocess
+    import sys
+
+    benches = [p for p in (ROOT / "bench").glob("*.py") if p.name != "footprint.py"]
+    assert len(benches) >= 8
+    assert all("import footprint" in p.read_text() for p in benches), [p.name for p in benches
+                                                                       if "import footprint" not in p.read_text()]
+    code = "import footprint; x = bytearray(300 * 2**20); x[::4096] = b'1' * len(x[::4096])"
+    err = subprocess.run([sys.executable, "-c", code], cwd=ROOT / "bench", capture_output=True, text=True).stderr
+    peak = float(re.search(r"peak RSS ([\d,]+) MB", err).group(1).replace(",", ""))
+    assert "[footprint] wall" in err and 300 < peak < 1000

@@ -1,0 +1,25 @@
+"""Every bench ends by printing its own footprint: wall time and peak resident memory (issue J:
+a benchmark must say what it cost the machine it ran on). ``import footprint`` at the top of a
+bench script registers the report; ``python bench/<name>.py`` puts bench/ on the path."""
+from __future__ import annotations
+
+import atexit
+import resource
+import sys
+import time
+
+START = time.perf_counter()
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process and its finished children, in MB (Linux: KiB units)."""
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return max(own, children) / 1024
+
+
+def line() -> str:
+    return f"[footprint] wall {time.perf_counter() - START:.1f} s, peak RSS {peak_rss_mb():,.0f} MB"
+
+
+atexit.register(lambda: print(line(), file=sys.stderr, flush=True))
