@@ -111,6 +111,18 @@ def scored_names(results: list[dict], users) -> list[str]:
     return [u.name for u in users if u.name in scored] + sorted(scored - {u.name for u in users})
 
 
+def _report(run_dir: Path, console) -> None:
+    """The run's report.html / report.md (without the token routing maps, which rebuild every user's
+    model: `comix report DIR` adds them). A report that cannot be drawn costs the run nothing."""
+    from .report import write_report
+    try:
+        page, _ = write_report(run_dir, routing=False)
+        console.print(f"report: {page} (with token routing maps: comix report {run_dir})")
+    except Exception as err:  # noqa: BLE001  (the results are written; the page is a view of them)
+        console.print(f"report not written ({type(err).__name__}: {str(err).splitlines()[0][:120]}); "
+                      f"try: comix report {run_dir}")
+
+
 def prepare(config=None, overrides=(), resume=None, default_name: str = "", methods=None, seeds=None,
             on_run_dir: Callable[[Path], None] | None = None):
     """Load (or, with ``resume``, reload) the config and load data and model; only then create the
@@ -182,6 +194,7 @@ def run(config=None, *overrides: str, resume=None, quiet: bool = False, on_run_d
         print(md if len(names) <= MANY_USERS else results_summary(results) + f"\n(per user: {run_dir}/results.md)")
     console.print(f"results: {run_dir}/results.md (per method: metrics.jsonl, results.json, privacy.md"
                   f"{', adapters/' if not cfg.keep_checkpoints else ', checkpoint.pt'})")
+    _report(run_dir, console)
     return results
 
 
@@ -236,6 +249,7 @@ def compare(config=None, *overrides: str, methods=None, seeds=None, resume=None,
     if not quiet:
         print(shown + "\n\n" + overhead + (f"\n\n{global_tables}" if global_tables else ""))
     console.print(f"wrote {run_dir}/compare.md, compare.json" + "".join(f", {f}" for f in drawn))
+    _report(run_dir, console)
     return results
 
 

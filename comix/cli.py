@@ -147,6 +147,13 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from .report import write_report
+    page, md = write_report(Path(args.dir), routing=not args.no_routing)
+    print(f"report: {page} (and {md})")
+    return 0
+
+
 def cmd_generate(args) -> int:
     import torch
 
@@ -257,6 +264,10 @@ def main(argv=None) -> int:
     e.add_argument("--merged", action="store_true", help="plain LoRA: also the base with the LoRA merged (merged/)")
     e.add_argument("--static", action="store_true",
                    help="mixtures: also one PEFT adapter of the experts at the user's mean gate (static/, approximate)")
+    rp = sub.add_parser("report", help="report.html and report.md of a run or compare folder (tables, curves, "
+                        "expert scores, token routing, traffic, privacy)")
+    rp.add_argument("dir", help="a run, compare or method folder")
+    rp.add_argument("--no-routing", action="store_true", help="skip the token routing maps (they rebuild each user model)")
     g = sub.add_parser("generate", help="a greedy completion from an exported model")
     g.add_argument("dir", help="a `comix export` folder")
     g.add_argument("prompt")
@@ -267,7 +278,8 @@ def main(argv=None) -> int:
     try:
         return {"run": cmd_run, "compare": cmd_compare, "ppl": cmd_ppl, "data": cmd_data,
                 "flower-demo": cmd_flower_demo, "flower-certs": cmd_flower_certs,
-                "flower-key": cmd_flower_key, "export": cmd_export, "generate": cmd_generate}[args.cmd](args)
+                "flower-key": cmd_flower_key, "export": cmd_export, "generate": cmd_generate,
+                "report": cmd_report}[args.cmd](args)
     except (ValueError, FileNotFoundError) as err:
         print(f"comix: error: {err}" + _resume_hint(args), file=sys.stderr)
         return 2

@@ -48,6 +48,16 @@ def weights_sha256(model: nn.Module) -> str:
 
 
 # -- reading a run ------------------------------------------------------------------------------
+def run_config(method_dir: Path) -> Path:
+    """The config.yaml of the run a method folder belongs to (``<run>/<method>`` or, in a compare
+    grid, ``<run>/seed<S>/<method>``)."""
+    method_dir = Path(method_dir)
+    for folder in (method_dir.parent, method_dir.parent.parent):
+        if (folder / "config.yaml").exists():
+            return folder / "config.yaml"
+    raise ExportError(f"{method_dir} belongs to no comix run (no config.yaml above it)")
+
+
 def method_dirs(run_dir: Path) -> list[Path]:
     return sorted(p.parent for p in Path(run_dir).glob("*/results.json") if (p.parent / "adapters").is_dir())
 
@@ -57,7 +67,7 @@ def resolve_method_dir(path: Path, method: str | None = None) -> Path:
     path = Path(path)
     if (path / "results.json").exists() and (path / "adapters").is_dir():
         return path
-    if not (path / "config.yaml").exists():
+    if not (path / "config.yaml").exists() and not (path.parent / "config.yaml").exists():
         raise ExportError(f"{path} is not a comix run (no config.yaml) nor a method folder of one")
     found = method_dirs(path)
     if method:
@@ -93,7 +103,7 @@ def rebuild(method_dir: Path, user: str):
     from .specs import build_algorithm
 
     method_dir = Path(method_dir)
-    cfg = load_config(str(method_dir.parent / "config.yaml"))
+    cfg = load_config(str(run_config(method_dir)))
     spec = json.loads((method_dir / "results.json").read_text())["method"]
     users = _users_in_order(method_dir)
     file = method_dir / "adapters" / f"{user}.safetensors"
@@ -205,7 +215,7 @@ def export_personal(path: Path, user: str, out: Path, method: str | None = None,
     from .models.mixture import MixtureOfLoRAMLP
     manifest = {"format": "comix-personal/1", "method": spec, "user": user, "client": info["client"],
                 "n_clients": info["n_clients"], "kind": kind, "base": {"spec": cfg.model, "sha256": info["base_sha256"]},
-                "config": (method_dir.parent / "config.yaml").read_text(),
+                "config": run_config(method_dir).read_text(),
                 "adapters": ADAPTERS}
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))

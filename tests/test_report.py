@@ -1,0 +1,75 @@
+"""`comix report` (issue F1 part 1): sections drawn from the records, a self-contained page that
+a real headless Chromium loads with every image decoded and no console error, markdown twin,
+one-line refusal of a folder that is not a run."""
+import json
+import re
+import shutil
+
+import pytest
+
+from comix.cli import main
+from test_cli import TINY, _user_dirs
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("report")
+    data = _user_dirs(root / "data")
+    run = root / "run"
+    assert main(["compare", f"corpus={data}", f"run_dir={run}", *TINY, "--methods", "fedavg", "comigs-1g1s",
+                 "fedavg:privacy.clip=0.05,privacy.noise_multiplier=1", "--seeds", "1", "2"]) == 0
+    return run
+
+
+def test_the_report_has_a_section_per_kind_of_record(run, capsys):
+    assert main(["report", str(run)]) == 0
+    assert f"report: {run / 'report.html'}" in capsys.readouterr().out
+    page, md = (run / "report.html").read_text(), (run / "report.md").read_text()
+    for heading in ("Results", "Learning curves", "Expert scores over training", "Token routing",
+                    "Communication and compute", "What left each device"):
+        assert heading in page and heading in md, heading
+    # results over both seeds with std, and each method's scoring rule
+    assert re.search(r"\| comigs-1g1s \| [\d.]+ \([\d.]+\) \| 2 \| each client's model after it takes", md)
+    # only a mixture gets gates and routing; the DP run's epsilon is in the traffic table
+    assert "gates-comigs-1g1s.png" in md and "gates-fedavg.png" not in md
+    assert "comigs-1g1s, user alice's model on bob's text" in md
+    eps = json.loads((run / "seed1" / "fedavg__privacy.clip=0.05_privacy.noise_multiplier=1" / "results.json")
+                     .read_text())["epsilon"]
+    assert f"{eps:.3g} |" in md
+    # self-contained: every image inline, nothing fetched
+    assert page.count("data:image/png;base64,") == len(re.findall(r"!\[", md)) >= 3
+    assert not re.search(r"(src|href)=\"(https?:|//)", page)
+    for name in re.findall(r"\]\(report-files/([^)]+)\)", md):
+        assert (run / "report-files" / name).stat().st_size > 1000
+
+
+def test_the_page_loads_in_headless_chromium_with_every_image_decoded(run, tmp_path):
+    if not shutil.which("chromium") or not shutil.which("chromedriver"):
+        pytest.skip("chromium / chromedriver are not installed (CI installs the Debian packages)")
+    webdriver = pytest.importorskip("selenium.webdriver")
+    main(["report", str(run)])
+    opts = webdriver.ChromeOptions()
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1200,2400"):
+        opts.add_argument(arg)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    from selenium.webdriver.chrome.service import Service
+    driver = webdriver.Chrome(options=opts, service=Service(shutil.which("chromedriver")))
+    try:
+        driver.get((run / "report.html").as_uri())
+        images = driver.execute_script(
+            "return Array.from(document.images).map(i => [i.complete, i.naturalWidth, i.naturalHeight])")
+        assert len(images) >= 3 and all(ok and w > 100 and h > 100 for ok, w, h in images), images
+        errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+        assert not errors, errors
+        assert driver.execute_script("return document.querySelectorAll('.tok span').length") > 100
+        assert driver.save_screenshot(str(tmp_path / "report.png"))
+    finally:
+        driver.quit()
+    assert (tmp_path / "report.png").stat().st_size > 10_000
+
+
+def test_a_folder_that_is_not_a_run_is_one_line(tmp_path, capsys):
+    assert main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not a comix run" in err[0]
+    assert not list(tmp_path.iterdir())  # nothing written
