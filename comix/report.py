@@ -371,6 +371,20 @@ def server_section(page: Page, runs: dict[str, dict[int, Path]]) -> None:
             page.fig(fig, f"kd-{_slug(spec)}.png", f"{spec}: CE (solid), FM (dashed) and KL (dotted) per KD step, "
                                                     "one colour per domain")
             first = rows[0]
+            if first.get("embedding_2d"):
+                fig, ax = plt.subplots(figsize=(4.6, 3.8))
+                pts, labels = first["embedding_2d"], first.get("domains", [0] * len(first["embedding_2d"]))
+                for k in sorted(set(labels)):
+                    mine = [p for p, lab in zip(pts, labels) if lab == k]
+                    ax.scatter([p[0] for p in mine], [p[1] for p in mine], color=COLORS[k % len(COLORS)], label=f"cluster {k}")
+                for i, p in enumerate(pts):
+                    ax.annotate(f"client{first.get('clients', range(len(pts)))[i]}", p, fontsize=7)
+                ax.set_xlabel("principal component 1")
+                ax.set_ylabel("principal component 2")
+                ax.legend(fontsize=7)
+                fig.tight_layout()
+                page.fig(fig, f"embeddings-{_slug(spec)}.png", f"{spec}: the devices' data embeddings (first two "
+                                                                "principal components), coloured by their cluster")
             if "domains" in first and "devices" in first:
                 page.md("| device | model | cluster |\n|---|---|---|\n" + "\n".join(
                     f"| client{i} | {m} | {c} |" for i, (m, c) in enumerate(zip(first["devices"], first["domains"]))))

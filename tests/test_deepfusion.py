@@ -329,6 +329,7 @@ def test_deepfusion_one_shot_end_to_end(tmp_path, monkeypatch):
         assert type(moe).__name__ == "MixtralForCausalLM" and moe.config.num_local_experts == 3
         report = json.loads((run / method / "server.jsonl").read_text().splitlines()[0])
         assert len(report["domains"]) == 5 and set(report["domains"]) <= {0, 1, 2}
+        assert len(report["embedding_2d"]) == 5 and all(len(p) == 2 for p in report["embedding_2d"])
         assert (report["kd"][0]["fm"] > 0) == (method == "deepfusion")  # the logit-only baseline has no FM
     # different architectures took part
     assert len({spec for *_, spec in sent}) >= 2
@@ -717,3 +718,12 @@ def test_public_data_from_another_corpus_and_a_bad_category_in_one_line(tmp_path
                  f"data.public_corpus={other}", "data.public_categories=[poems]"]) == 2
     assert "data.public_categories: ['poems'] not in data.public_corpus" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_the_embedding_map_separates_what_the_clustering_separates():
+    from comix.algorithms.deepfusion import embedding_map
+    e = torch.tensor([[1.0, 0.01, 0], [1.0, -0.01, 0], [0, 0.01, 1.0], [0.02, 0, 1.0]])
+    pts = torch.tensor(embedding_map(e * torch.tensor([[3.0], [1.0], [2.0], [5.0]])))  # scale-free (cosine)
+    assert pts.shape == (4, 2)
+    assert (pts[0, 0] - pts[1, 0]).abs() < 0.05 and (pts[2, 0] - pts[3, 0]).abs() < 0.05
+    assert (pts[0, 0] - pts[2, 0]).abs() > 1.0

@@ -69,6 +69,19 @@ def cluster_devices(embeddings: torch.Tensor, k: int, seed: int = 0) -> list[int
     return [int(c) for c in labels]
 
 
+def embedding_map(embeddings: torch.Tensor) -> list[list[float]]:
+    """The devices' unit-normalised data embeddings on their first two principal components (the
+    report's view of the clustering; what the server holds anyway)."""
+    x = F.normalize(embeddings.double(), dim=-1)
+    x = x - x.mean(0)
+    if len(x) < 2:
+        return [[0.0, 0.0] for _ in x]
+    _, _, v = torch.linalg.svd(x, full_matrices=False)
+    pts = x @ v[:2].T
+    pts = torch.cat([pts, pts.new_zeros(len(pts), 2 - pts.shape[1])], 1) if pts.shape[1] < 2 else pts
+    return [[round(a, 4), round(b, 4)] for a, b in pts.tolist()]
+
+
 def architecture_of(model: nn.Module) -> str:
     """What must match for two models' weights to be averaged: class and every shape."""
     c = model.config
@@ -308,13 +321,14 @@ class DeepFusion(Algorithm):
         self.moe = moe.eval()
         save_moe(moe, ctx.out_dir / "global-moe", tokenizer_source(ctx.base))
         state = {"domains": labels, "clients": clients, "devices": [self.device_spec(c) for c in clients],
+                 "embedding_2d": embedding_map(emb),
                  "public_batches": self.k * self.kd_steps + self.tune_steps,
                  "kd": kd_log, "tune": tune_log, "seconds": {k: round(v, 2) for k, v in seconds.items()}}
         return state, {c: {} for c in range(self.n_clients)}
 
     def server_report(self, server_state) -> dict:
-        return {k: server_state[k] for k in ("domains", "devices", "kd", "tune", "seconds", "public_batches")
-                if k in server_state}
+        return {k: server_state[k] for k in ("domains", "devices", "kd", "tune", "seconds", "public_batches",
+                                             "embedding_2d") if k in server_state}
 
     def _feature_module(self, student: nn.Module, teacher: nn.Module) -> nn.Module | None:
         if self.feature == "vaa":
