@@ -322,3 +322,23 @@ def test_a_newcomer_s_first_minutes(tmp_path, capsys, monkeypatch):
     users = [type("U", (), {"name": n})() for n in ("client0", "client1")]
     assert scored_names([{"per_user": {"med": {}, "code": {}}}], users) == ["code", "med"]
     assert scored_names([{"per_user": {"client1": {}, "client0": {}}}], users) == ["client0", "client1"]
+
+
+def test_an_unreachable_hub_fails_at_once_in_one_line(monkeypatch, capsys, tmp_path):
+    """K: offline, a hub id that is not cached is one line after one 2-second connect attempt, not
+    ~46 s of retries."""
+    import socket
+    import time
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    tried = []
+
+    def refuse(addr, timeout=None, *a, **k):
+        tried.append((addr, timeout))
+        raise OSError("network is unreachable")
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    t0 = time.perf_counter()
+    _fails(capsys, ["run", "model=no-org/no-such-model-xyz", f"run_dir={tmp_path / 'run'}"],
+           "unknown model spec 'no-org/no-such-model-xyz'")
+    assert time.perf_counter() - t0 < 30 and tried and tried[0][0][1] == 443 and tried[0][1] <= 2
+    assert not (tmp_path / "run").exists()

@@ -65,6 +65,7 @@ def model_config(spec: str):
             return AutoConfig.from_pretrained(cached)
         gguf = _smollm2_gguf()
         return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    go_offline_if_unreachable(spec)
     try:
         return AutoConfig.from_pretrained(spec)
     except (OSError, ValueError) as err:
@@ -86,6 +87,7 @@ def load_tokenizer(spec: str):
             return smollm2()[1]  # the first use builds the cache (one dequantisation, as any run's first load)
         tok = AutoTokenizer.from_pretrained(cache_dir() / "smollm2-135m")
     else:
+        go_offline_if_unreachable(spec)
         try:
             tok = AutoTokenizer.from_pretrained(spec)
         except (OSError, ValueError) as err:
@@ -136,6 +138,7 @@ def smollm2(dtype=torch.float32):
 def from_pretrained(spec: str, dtype=torch.float32):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    go_offline_if_unreachable(spec)
     try:
         tok = AutoTokenizer.from_pretrained(spec)
         model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype)
@@ -146,6 +149,36 @@ def from_pretrained(spec: str, dtype=torch.float32):
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return model.eval(), tok
+
+
+def hub_reachable(timeout: float = 2.0) -> bool:
+    """Whether the Hugging Face hub answers a TCP connect within ``timeout`` seconds (an offline
+    machine otherwise spends ~46 s in huggingface_hub's retries before the same error)."""
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        return False
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def go_offline_if_unreachable(spec: str) -> None:
+    """Before loading hub id ``spec``: with the hub out of reach, read the local cache only
+    (HF_HUB_OFFLINE), so a model that is not cached fails at once with one line."""
+    if Path(spec).expanduser().exists() or os.environ.get("HF_HUB_OFFLINE") == "1":
+        return
+    if not hub_reachable():
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        try:
+            import huggingface_hub.constants as hub_constants
+            hub_constants.HF_HUB_OFFLINE = True
+        except (ImportError, AttributeError):
+            pass
 
 
 def check_model_spec(spec: str) -> None:
