@@ -133,3 +133,27 @@ def test_cuda_run_matches_the_cpu_and_keeps_states_on_the_cpu(setup, tmp_path, p
         assert gpu["per_user"][u]["test_ppl"] == pytest.approx(cpu["per_user"][u]["test_ppl"], rel=0.03)
     states = torch.load(tmp_path / "gpu" / f"comigs-1g1s-{precision}" / "checkpoint.pt", weights_only=False)["clients"]["states"]
     assert all(t.device.type == "cpu" for s in states.values() for t in s.adapters.values())
+
+
+def test_progress_inside_a_round_reaches_the_listener_and_nothing_without_one():
+    """K: long phases report (phase, done, total) to whatever the runner installed."""
+    from comix import progress
+    from comix.algorithms.training import TrainConfig
+    from comix.algorithms.global_moe import train_moe_on_public
+    from comix.models.upcycle import upcycle
+    from comix.runtime import Runtime
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    dense = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    moe = upcycle([dense, dense], top_k=1)
+    heard = []
+    progress.listen(lambda *a: heard.append(a))
+    try:
+        train_moe_on_public(moe, torch.randint(0, 50, (200,)), 3, 2, list(moe.parameters()), 1e-3, 0.0,
+                            TrainConfig(seq_len=8), Runtime(), torch.Generator().manual_seed(0))
+    finally:
+        progress.listen(None)
+    assert heard == [("MoE steps on public data", j, 3) for j in range(3)]
+    progress.step("nobody listens", 1, 2)  # no listener: nothing happens

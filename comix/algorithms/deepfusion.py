@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoTokenizer
 
+from .. import progress
 from ..data import sample_batch
 from ..data.embed import MINILM, SentenceEncoder
 from ..models.base import tokenizer_source
@@ -359,7 +360,8 @@ class DeepFusion(Algorithm):
                                  {"params": feature_params, "lr": self.feature_lr}], weight_decay=0.0)
         scaler = rt.grad_scaler()
         log = {"ce": [], "fm": [], "kl": []}
-        for _ in range(self.kd_steps):
+        for j in range(self.kd_steps):
+            progress.step("distillation steps", j, self.kd_steps)
             x, y = sample_batch(public, self.kd_batch, t.seq_len, gen)
             x, y = x.long().to(rt.device), y.long().to(rt.device)
             with rt.autocast():

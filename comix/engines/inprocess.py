@@ -23,6 +23,7 @@ from ..data import UserData
 from ..models import inject_adapters
 from ..models.mixture import set_compiled
 from ..runtime import Runtime
+from .. import progress as phases
 from ..files import atomic_write
 from .device import Device, RoundStore, StateStore, evaluate
 from .server import finish_run, serve
@@ -75,7 +76,11 @@ class InProcess:
     def train(self, payloads):
         self.round += 1
         self._rounds(self.round - 1, self.round)
-        return {c: self.devices[c].train(p) for c, p in payloads.items()}
+        out = {}
+        for i, (c, p) in enumerate(payloads.items()):
+            out[c] = self.devices[c].train(p)
+            phases.step(f"round {self.round}: clients trained", i + 1, len(payloads))
+        return out
 
     def finish(self, payloads) -> None:
         self._rounds(self.round, self.round)
