@@ -79,8 +79,11 @@ def run_spec(cfg, spec: str, seed: int, out: Path, model, users, console, server
             (out / "checkpoint.pt").unlink(missing_ok=True)
         return res
     label = spec if len(cfg.seeds) <= 1 else f"{spec} seed {seed}"
+    # the live bar only on a terminal (piped, its fixed width cut the times to "0:0..."); it is
+    # transient, so Ctrl-C or the end leaves the per-round log lines, not a second copy of the bar
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"),
-                  TimeElapsedColumn(), TimeRemainingColumn(), console=console) as bar:
+                  TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=True,
+                  disable=not console.is_terminal) as bar:
         task = bar.add_task(label, total=mcfg.train.rounds if algo.trains else 1, info="")
 
         def progress(p):
