@@ -9,9 +9,10 @@ An algorithm says
   * ``server_round(server_state, uploads) -> (server_state, payloads)``: one payload per client.
 Engines (in-process, Flower) only move states, uploads and payloads around.
 
-This module holds the contract: a client's private state, what the engine hands a client and
-the server, and the ``Algorithm`` base class (plain LoRA clients, FedAvg's uniform mean as the
-server step, Alg. 1's). The local training it runs by default is made of ``training.py``'s pieces.
+This module holds the contract: what the engine hands a client and the server, and the
+``Algorithm`` base class (plain LoRA clients, FedAvg's uniform mean as the server step, Alg. 1's).
+A client's private state (``ClientState``) and the local training it runs by default live in
+``training.py``.
 """
 from __future__ import annotations
 
@@ -26,18 +27,9 @@ from ..data import UserData, sample_batch
 from ..models import AdapterConfig, LoRAConfig
 from ..privacy import PrivacyConfig
 from ..runtime import Runtime
-from .training import (Tensors, TrainConfig, adapter_tensors, average, batch_generator, expert_lr, expert_params,
-                       keep_optimizer, lm_loss, load_adapters, make_optimizer, model_load_balance, step_on)
-
-
-@dataclass
-class ClientState:
-    """Everything that stays on a device between rounds."""
-    adapters: Tensors                      # all of this client's adapter tensors
-    optimizers: dict[str, Any] = field(default_factory=dict)  # name -> optimizer.state_dict() (optimizer_state=run)
-    rng: torch.Tensor | None = None        # batch-sampling generator state
-    step: int = 0                          # expert iterations done so far (t in Alg. 1)
-    extra: dict = field(default_factory=dict)  # method-specific private state (ranks, trust, ...)
+from .training import (ClientState, Tensors, TrainConfig, adapter_tensors, average, batch_generator, expert_lr,
+                       expert_params, keep_optimizer, lm_loss, load_adapters, make_optimizer, model_load_balance,
+                       step_on)
 
 
 @dataclass

@@ -7,16 +7,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..models import MixtureOfLoRAMLP, load_balance_loss, mixtures, param_role
 from ..runtime import to_cpu
-
-if TYPE_CHECKING:
-    from .base import ClientState
 
 Tensors = dict[str, torch.Tensor]
 
@@ -79,6 +76,17 @@ class TrainConfig:
     eval_batch_size: int = 8
     eval_splits: list[str] = field(default_factory=lambda: ["valid", "test"])
     max_new_tokens: int = 128       # generation tasks: greedy answer length cap (FedAMoLE's evaluator)
+
+
+@dataclass
+class ClientState:
+    """Everything that stays on a device between rounds."""
+    adapters: Tensors                      # all of this client's adapter tensors
+    optimizers: dict[str, Any] = field(default_factory=dict)  # name -> optimizer.state_dict() (optimizer_state=run)
+    rng: torch.Tensor | None = None        # batch-sampling generator state
+    step: int = 0                          # expert iterations done so far (t in Alg. 1)
+    extra: dict = field(default_factory=dict)  # method-specific private state (ranks, trust, ...)
+
 
 
 def batch_generator(state: ClientState) -> torch.Generator:
