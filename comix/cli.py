@@ -275,6 +275,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.cmd in ("run", "compare") and args.config and "=" in args.config:  # `comix run key=value` (no file)
         args.overrides, args.config = [args.config, *args.overrides], None
+    if args.cmd == "compare" and args.methods:  # `--methods a b run_dir=x`: key=value after the specs is an override
+        keep = [m for m in args.methods if "=" not in m.split(":")[0]]
+        args.overrides += [m for m in args.methods if m not in keep]
+        args.methods = keep
     try:
         return {"run": cmd_run, "compare": cmd_compare, "ppl": cmd_ppl, "data": cmd_data,
                 "flower-demo": cmd_flower_demo, "flower-certs": cmd_flower_certs,

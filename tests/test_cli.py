@@ -302,6 +302,9 @@ def test_a_newcomer_s_first_minutes(tmp_path, capsys, monkeypatch):
         ["fedavg", "hetlora:ranks=[16,16,32,32],reg=0.05", "local"]
     assert method_list("[fedavg,'fedavg:privacy.clip=0.05,privacy.noise_multiplier=1']") == \
         ["fedavg", "fedavg:privacy.clip=0.05,privacy.noise_multiplier=1"]
+    # `compare --methods a b key=value`: the key=value after the specs is an override, not a method
+    _fails(capsys, ["compare", "model=tiny-llama", "--methods", "fedavg", "hetlora:reg=0.05", "threads=-1"],
+           "threads must be >= 0")
     with pytest.raises(SystemExit):
         main(["run", "--help"])
     out = capsys.readouterr().out
