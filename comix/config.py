@@ -194,13 +194,10 @@ def _set(obj, dotted: str, value, prefix: str = "") -> None:
     setattr(obj, head, value)
 
 
-def method_list(text: str) -> list[str]:
-    """``[fedavg,hetlora:ranks=[16,16,32,32],reg=0.05]`` -> ["fedavg", "hetlora:ranks=[16,16,32,32],reg=0.05"]:
-    commas inside brackets stay, and a piece that does not start with a method name (``reg=0.05``)
-    is one more option of the spec before it."""
-    inner = text.strip()[1:-1] if text.strip().endswith("]") else text.strip()[1:]
+def split_outside_brackets(text: str) -> list[str]:
+    """``"a,b=[1,2],c"`` -> ["a", "b=[1,2]", "c"]: commas inside brackets stay; pieces stripped."""
     pieces, depth, cur = [], 0, ""
-    for ch in inner:
+    for ch in text:
         depth += ch == "["
         depth -= ch == "]"
         if ch == "," and depth == 0:
@@ -208,9 +205,16 @@ def method_list(text: str) -> list[str]:
             cur = ""
         else:
             cur += ch
-    pieces.append(cur.strip())
+    return pieces + [cur.strip()]
+
+
+def method_list(text: str) -> list[str]:
+    """``[fedavg,hetlora:ranks=[16,16,32,32],reg=0.05]`` -> ["fedavg", "hetlora:ranks=[16,16,32,32],reg=0.05"]:
+    commas inside brackets stay, and a piece that does not start with a method name (``reg=0.05``)
+    is one more option of the spec before it."""
+    inner = text.strip()[1:-1] if text.strip().endswith("]") else text.strip()[1:]
     specs: list[str] = []
-    for piece in filter(None, (p.strip("'\"") for p in pieces)):
+    for piece in filter(None, (p.strip("'\"") for p in split_outside_brackets(inner))):
         head = piece.split(":")[0].split("=")[0]
         if specs and ":" in specs[-1] and head not in METHODS:
             specs[-1] += "," + piece

@@ -99,14 +99,14 @@ def run_spec(cfg, spec: str, seed: int, out: Path, model, users, console, server
         def phase(name, done, total):  # inside a round: clients trained, distillation steps, ...
             bar.update(task, info=f"{name} {done}/{total}")
 
-        from . import progress as steps
-        steps.listen(phase)
+        from .progress import listen
+        listen(phase)
         try:
             res = run_method(algo, model, users, out, seed=seed, resume=True, offload=mcfg.offload,
                              progress=progress, keep_checkpoints=mcfg.keep_checkpoints,
                              runtime=resolve(cfg.device, cfg.precision, cfg.compile), server_data=server_data)
         finally:
-            steps.listen(None)
+            listen(None)
         bar.update(task, completed=bar.tasks[0].total)
     return res
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from .config import ConfigError, RunConfig, _set
+from .config import ConfigError, RunConfig, _set, split_outside_brackets
 from .privacy import resolve_privacy
 
 
@@ -21,17 +21,7 @@ def split_spec(spec: str) -> tuple[str, list[str]]:
     """``"hetlora:reg=0.05,gamma=0.9"`` -> ("hetlora", ["reg=0.05", "gamma=0.9"]); commas inside
     brackets stay (``experts=[1,2,4,8]``)."""
     name, _, opts = spec.partition(":")
-    items, depth, cur = [], 0, ""
-    for ch in opts:
-        depth += ch == "["
-        depth -= ch == "]"
-        if ch == "," and depth == 0:
-            items.append(cur)
-            cur = ""
-        else:
-            cur += ch
-    items += [cur] if cur else []
-    return name.strip(), [i.strip() for i in items if i.strip()]
+    return name.strip(), [i for i in split_outside_brackets(opts) if i]
 
 
 def spec_config(cfg: RunConfig, spec: str) -> RunConfig:

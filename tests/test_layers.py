@@ -31,8 +31,8 @@ def _imports(mods: dict[str, pathlib.Path]) -> dict[str, set[str]]:
             for t in targets:
                 while t and t not in mods:
                     t = t.rpartition(".")[0]
-                if t and t != m and not m.startswith(t + "."):  # a package's own submodules may import it
-                    graph[m].add(t)
+                if t and t != m:  # a submodule importing its own package counts too: the package's
+                    graph[m].add(t)  # __init__ runs, and with it everything that __init__ imports
     return graph
 
 

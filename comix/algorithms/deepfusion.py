@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoTokenizer
 
-from .. import progress
+from ..progress import step as phase_step
 from ..data import sample_batch
 from ..data.embed import MINILM, SentenceEncoder
 from ..models.base import tokenizer_source
@@ -361,7 +361,7 @@ class DeepFusion(Algorithm):
         scaler = rt.grad_scaler()
         log = {"ce": [], "fm": [], "kl": []}
         for j in range(self.kd_steps):
-            progress.step("distillation steps", j, self.kd_steps)
+            phase_step("distillation steps", j, self.kd_steps)
             x, y = sample_batch(public, self.kd_batch, t.seq_len, gen)
             x, y = x.long().to(rt.device), y.long().to(rt.device)
             with rt.autocast():

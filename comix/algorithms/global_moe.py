@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoTokenizer
 
-from .. import progress
+from ..progress import step as phase_step
 from ..data import sample_batch
 from ..eval.perplexity import split_token_stats
 from ..eval.tasks import generated_token_accuracy
@@ -31,7 +31,7 @@ def train_moe_on_public(moe: nn.Module, public: torch.Tensor, steps: int, batch:
     moe.train()
     losses = []
     for j in range(steps):
-        progress.step("MoE steps on public data", j, steps)
+        phase_step("MoE steps on public data", j, steps)
         losses.append(float(moe_step(moe, *sample_batch(public, batch, train.seq_len, gen), params, opt,
                                      aux_loss_coef, train, runtime, scaler)))
     moe.eval().requires_grad_(False)

@@ -23,7 +23,7 @@ from ..data import UserData
 from ..models import inject_adapters
 from ..models.mixture import set_compiled
 from ..runtime import Runtime
-from .. import progress as phases
+from ..progress import step as phase_step
 from ..files import atomic_write
 from .device import Device, RoundStore, StateStore, evaluate
 from .server import finish_run, serve
@@ -79,7 +79,7 @@ class InProcess:
         out = {}
         for i, (c, p) in enumerate(payloads.items()):
             out[c] = self.devices[c].train(p)
-            phases.step(f"round {self.round}: clients trained", i + 1, len(payloads))
+            phase_step(f"round {self.round}: clients trained", i + 1, len(payloads))
         return out
 
     def finish(self, payloads) -> None:
