@@ -4,6 +4,7 @@ bench script registers the report; ``python bench/<name>.py`` puts bench/ on the
 from __future__ import annotations
 
 import atexit
+import re
 import resource
 import sys
 import time
@@ -11,9 +12,20 @@ import time
 START = time.perf_counter()
 
 
+def _own_peak_kib() -> int:
+    """This process's own high-water mark. Linux's VmHWM belongs to the process's memory map, so it
+    starts afresh at exec; getrusage's ru_maxrss keeps the parent's RSS at fork across exec (a bench
+    launched from a 1 GB pytest would report 1 GB it never used), so it is only the fallback."""
+    try:
+        with open("/proc/self/status") as status:
+            return int(re.search(r"VmHWM:\s+(\d+) kB", status.read()).group(1))
+    except (OSError, AttributeError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
 def peak_rss_mb() -> float:
     """Peak resident set size of this process and its finished children, in MB (Linux: KiB units)."""
-    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    own = _own_peak_kib()
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     return max(own, children) / 1024
 
