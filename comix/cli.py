@@ -235,7 +235,7 @@ def main(argv=None) -> int:
     c.add_argument("config", nargs="?", help="YAML recipe (see configs/)")
     c.add_argument("overrides", nargs="*", help="key=value overrides for every run")
     c.add_argument("--methods", nargs="+", metavar="SPEC", help="method specs, e.g. local comigs-1g1s hetlora:reg=0.05")
-    c.add_argument("--seeds", nargs="+", type=int, help="e.g. 42 45 47")
+    c.add_argument("--seeds", nargs="+", metavar="SEED", help="e.g. 42 45 47")
     c.add_argument("--resume", metavar="RUN_DIR", help="finish an interrupted grid (finished runs are skipped)")
     f = sub.add_parser("flower-demo", help="loopback Flower federation (TLS + auth), a tiny CoMiGS run, all stopped")
     f.add_argument("--clients", type=int, default=3, choices=(1, 2, 3, 4))
@@ -275,10 +275,16 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.cmd in ("run", "compare") and args.config and "=" in args.config:  # `comix run key=value` (no file)
         args.overrides, args.config = [args.config, *args.overrides], None
-    if args.cmd == "compare" and args.methods:  # `--methods a b run_dir=x`: key=value after the specs is an override
-        keep = [m for m in args.methods if "=" not in m.split(":")[0]]
-        args.overrides += [m for m in args.methods if m not in keep]
-        args.methods = keep
+    if args.cmd == "compare":  # `--methods a b run_dir=x`, `--seeds 1 2 run_dir=x`: a trailing key=value is an override
+        for name in ("methods", "seeds"):
+            values = getattr(args, name) or []
+            keep = [v for v in values if "=" not in v.split(":")[0]]
+            args.overrides += [v for v in values if v not in keep]
+            setattr(args, name, keep or None)
+        bad = [s for s in args.seeds or [] if not s.lstrip("-").isdigit()]
+        if bad:
+            ap.error(f"argument --seeds: invalid int value: {bad[0]!r}")
+        args.seeds = [int(s) for s in args.seeds] if args.seeds else None
     try:
         return {"run": cmd_run, "compare": cmd_compare, "ppl": cmd_ppl, "data": cmd_data,
                 "flower-demo": cmd_flower_demo, "flower-certs": cmd_flower_certs,

@@ -305,6 +305,10 @@ def test_a_newcomer_s_first_minutes(tmp_path, capsys, monkeypatch):
     # `compare --methods a b key=value`: the key=value after the specs is an override, not a method
     _fails(capsys, ["compare", "model=tiny-llama", "--methods", "fedavg", "hetlora:reg=0.05", "threads=-1"],
            "threads must be >= 0")
+    _fails(capsys, ["compare", "model=tiny-llama", "--seeds", "1", "2", "threads=-1"], "threads must be >= 0")
+    with pytest.raises(SystemExit):
+        main(["compare", "--seeds", "1", "x"])
+    assert "invalid int value: 'x'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["run", "--help"])
     out = capsys.readouterr().out
