@@ -41,7 +41,14 @@ class PrivacyConfig:
     clip: float = math.inf           # L2 bound of a client's whole update (YAML .inf = none)
     delta: float = 1e-5              # the delta at which epsilon is reported
     target_epsilon: float = 0.0      # > 0: calibrate sigma to reach it after train.rounds (or refuse)
-    secure_aggregation: bool = False  # Flower engine only (issue F2 part 2; not built yet: refused)
+    # Secure aggregation (Flower engines only): Flower's SecAgg+ (Bell et al., CCS 2020) through its
+    # SecAggPlusWorkflow and secaggplus_mod; the server receives masked integer vectors and unmasks
+    # only their sum. The knobs are Flower's, with Flower's defaults except the share count.
+    secure_aggregation: bool = False
+    secagg_shares: float = 1.0        # Flower's num_shares: a fraction of the sampled clients (1.0: all) or a count
+    secagg_threshold: float = 0.5     # reconstruction_threshold: a fraction of the shares (or a count)
+    secagg_clip_range: float = 8.0    # clipping_range: an upload's values must lie in [-r, r] to be quantised
+    secagg_quantization: int = 2**22  # quantization_range: levels over [-r, r] (step 2r / 2^22 ~ 3.8e-6)
 
     @property
     def active(self) -> bool:
@@ -60,8 +67,13 @@ class PrivacyConfig:
         if (self.noise_multiplier > 0 or self.target_epsilon > 0) and not math.isfinite(self.clip):
             return "privacy.noise_multiplier / target_epsilon need a finite privacy.clip (noise on an unbounded " \
                    "update protects nothing)"
-        if self.secure_aggregation:
-            return "privacy.secure_aggregation is not available yet (Flower SecAgg+, issue F2 part 2)"
+        if not (0 < self.secagg_shares <= 1 or self.secagg_shares == int(self.secagg_shares) > 2):
+            return f"privacy.secagg_shares must be a fraction in (0, 1] or a count > 2, got {self.secagg_shares}"
+        if not (0 < self.secagg_threshold <= 1 or self.secagg_threshold == int(self.secagg_threshold) >= 2):
+            return f"privacy.secagg_threshold must be a fraction in (0, 1] or a count >= 2, got {self.secagg_threshold}"
+        if not self.secagg_clip_range > 0 or not 0 < self.secagg_quantization < 2**32:
+            return f"privacy.secagg_clip_range must be > 0 and privacy.secagg_quantization in (0, 2^32), got " \
+                   f"{self.secagg_clip_range} and {self.secagg_quantization}"
         return None
 
 
@@ -197,7 +209,14 @@ def privacy_record(rows: list[dict], method: str, privacy: PrivacyConfig, sampli
         + (f" (rate {rate:g})" if kind != "full" else " (every client every round: no amplification)")
         if dp else ("clipping only (clip %g), no noise: no epsilon" % privacy.clip if math.isfinite(privacy.clip)
                     else "off" + (f" ({method} cannot offer it: {refusal})" if refusal else ""))))
-    lines.append("- Secure aggregation: off (the server sees each client's upload)")
+    lines.append("- Secure aggregation: " + (
+        f"Flower SecAgg+ (shares {privacy.secagg_shares:g}, threshold {privacy.secagg_threshold:g}, values in "
+        f"[-{privacy.secagg_clip_range:g}, {privacy.secagg_clip_range:g}] quantised to {privacy.secagg_quantization} "
+        "levels): the server received masked vectors and unmasked only their sum; the listings below are what each "
+        "client declared it masked" + ("; DP noise is added by the server to the unmasked sum (central DP: the "
+                                       "released aggregate is protected, the server itself sees the exact sum)"
+                                       if dp else "")
+        if privacy.secure_aggregation else "off (the server sees each client's upload)"))
     names = {n for r in rows for listing in r.get("signatures", {}).values() for n, *_ in listing}
     exempt_names = sorted(n for n in names if exempt(n))
     if (dp or math.isfinite(privacy.clip)) and exempt_names:

@@ -33,6 +33,9 @@ def load_inputs(cfg: RunConfig):
     problems = []
     for spec in cfg.methods:  # every method's options checked before the model loads, all problems at once
         algo = build_algorithm(cfg, spec, count_users(cfg, corpus))
+        if algo.privacy.secure_aggregation and cfg.engine == "inprocess":
+            problems.append("privacy.secure_aggregation runs on Flower (engine=flower-sim or a deployment): the "
+                            "in-process engine holds every upload in one process, there is nothing to hide them from")
         if algo.needs_server_data and not cfg.data.public_frac:
             problems.append(f"{spec} needs the server's own public and test data: set data.public_frac (e.g. 0.1)")
         problems += [f"{p} (model {cfg.model})" for p in algo.check_model(shape) if f"{p} (model" not in problems]

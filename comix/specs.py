@@ -59,6 +59,9 @@ def build_algorithm(cfg: RunConfig, spec: str, n_users: int):
     why = REGISTRY[name][0].dp_refusal() if mcfg.privacy.active else None
     if why:
         raise ConfigError(f"method {name} cannot run with privacy.* (clip, noise or target epsilon): {why}")
+    why = REGISTRY[name][0].secure_aggregation_refusal() if mcfg.privacy.secure_aggregation else None
+    if why:
+        raise ConfigError(f"method {name} cannot run with privacy.secure_aggregation: {why}")
     n_clients = 1 if REGISTRY[name][0].pooled else n_users
     algo = make_algorithm(name, mcfg.lora, mcfg.train, n_clients, **mcfg.options(name))
     algo.name = spec

@@ -165,6 +165,16 @@ privacy: {clip: 0.05, noise_multiplier: 0.5}
         assert ("test_ppl" in x) == ("test_ppl" in y)
         if "test_ppl" in y:
             assert x["test_ppl"] == pytest.approx(y["test_ppl"], rel=1e-4)
+    # the same run through Flower's SecAgg+ on Ray: the sampled devices' masked sum, unmasked by the
+    # server, gives the in-process numbers within SecAgg+'s quantisation (test_secagg.py: the details)
+    assert main(["run", str(cfg), f"run_dir={tmp_path / 'secure'}", "engine=flower-sim", "threads=2",
+                 "privacy.secure_aggregation=true"]) == 0
+    c = _rows(tmp_path / "secure" / "fedavg" / "metrics.jsonl")
+    assert [(x["user"], x["sampled"]) for x in c] == [(y["user"], y["sampled"]) for y in b]
+    assert [r["secure_sum_of"] for r in _rows(tmp_path / "secure" / "fedavg" / "server.jsonl")] == [5, 5]
+    for x, y in zip(c, b):
+        if "test_ppl" in y:
+            assert x["test_ppl"] == pytest.approx(y["test_ppl"], rel=1e-3)
 
 
 def test_ray_simulation_of_deepfusion_equals_in_process(tmp_path):

@@ -28,8 +28,8 @@ from ..models import AdapterConfig, LoRAConfig
 from ..privacy import PrivacyConfig
 from ..runtime import Runtime
 from .training import (ClientState, Tensors, TrainConfig, adapter_tensors, average, batch_generator, expert_lr,
-                       expert_params, keep_optimizer, lm_loss, load_adapters, make_optimizer, model_load_balance,
-                       step_on)
+                       expert_params, keep_optimizer, lm_loss, load_adapters, make_optimizer, mean_of_sums,
+                       model_load_balance, step_on)
 
 
 @dataclass
@@ -155,6 +155,22 @@ class Algorithm:
                    "gives it no guarantee"
         return None
 
+    @classmethod
+    def secure_aggregation_refusal(cls) -> str | None:
+        """Why this method cannot run under secure aggregation (one line), or None. SecAgg+ gives
+        the server only the *sum* of the sampled clients' uploads, so it serves the methods whose
+        server step is that mean and nothing else (this base's ``server_round``: FedAvg, FedIT,
+        CoMiGS' generalists, FFA- and FedSA-LoRA): one fixed list of tensors per client, summed
+        over every sampled client (issue F2 part 2)."""
+        if cls.pooled or not cls.trains:
+            return "it uploads nothing (one pooled model or no training)"
+        if cls.is_shared is Algorithm.is_shared:
+            return "it shares nothing (every adapter stays on its device)"
+        if cls.server_round is not Algorithm.server_round:
+            return "its server step needs more than the sum of the uploads (per-client tensors, ranks, holders " \
+                   "or whole models), and SecAgg+ reveals only the sum"
+        return None
+
     def dp_exempt(self, name: str) -> bool:
         """Upload tensors outside DP's clip and noise (privacy.md and the epsilon say they are not
         covered); none by default."""
@@ -185,6 +201,12 @@ class Algorithm:
         if not uploads or not any(uploads.values()):
             return server_state, {c: {} for c in range(self.n_clients)}
         mean = self.aggregate(uploads)
+        return server_state, {c: dict(mean) for c in range(self.n_clients)}
+
+    def server_round_of_sum(self, server_state, total: Tensors, count: int) -> tuple[Any, dict[int, Tensors]]:
+        """``server_round`` when the server holds only the sum of ``count`` uploads (secure
+        aggregation): the same mean, with DP's noise on the same sums in the same order."""
+        mean = mean_of_sums(total, count, self.aggregation_noise)
         return server_state, {c: dict(mean) for c in range(self.n_clients)}
 
     # -- client ------------------------------------------------------------------------------------

@@ -134,11 +134,21 @@ def average(uploads: dict[int, Tensors], noise=None) -> Tensors:
     (DP-FedAvg, ``privacy.GaussianSumNoise``) is added to each tensor's *sum* before the division,
     tensors taken in sorted name order so that every engine draws the same noise."""
     names = sorted({n for u in uploads.values() for n in u})
-    out = {}
+    sums, counts, dtypes = {}, {}, {}
     for n in names:
         ts = [u[n] for u in uploads.values() if n in u]
-        total = torch.stack([t.float() for t in ts]).sum(0)
-        out[n] = ((noise(total) if noise else total) / len(ts)).to(ts[0].dtype)
+        sums[n], counts[n], dtypes[n] = torch.stack([t.float() for t in ts]).sum(0), len(ts), ts[0].dtype
+    return mean_of_sums(sums, counts, noise, dtypes)
+
+
+def mean_of_sums(sums: Tensors, counts: dict[str, int] | int, noise=None, dtypes: dict | None = None) -> Tensors:
+    """Each sum (noised first, when DP adds noise) divided by its count, names in sorted order:
+    the server's half of ``average``, also all that a server under secure aggregation holds
+    (the sum of the uploads, never one upload)."""
+    out = {}
+    for n in sorted(sums):
+        count = counts if isinstance(counts, int) else counts[n]
+        out[n] = ((noise(sums[n]) if noise else sums[n]) / count).to((dtypes or {}).get(n, sums[n].dtype))
     return out
 
 

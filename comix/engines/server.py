@@ -12,7 +12,8 @@ A ``Transport`` carries the requests: ``init() -> {client: shared tensors}``,
 ``train({client: payload}) -> {client: (upload, metrics) | error string}``,
 ``finish({client: payload})``, ``evaluate({client: payload}) -> {user: metrics}`` and
 ``snapshot()/restore()`` of what the server must checkpoint for the clients (in-process: their
-states; Flower devices persist their own). A checkpoint is written atomically every round;
+states; Flower devices persist their own). Under secure aggregation (Flower only) the round goes
+through ``train_secure``, which returns the sum of the uploads and never an upload (``secure_round``). A checkpoint is written atomically every round;
 ``resume=True`` continues from it with the same numbers as an uninterrupted run.
 """
 from __future__ import annotations
@@ -39,6 +40,9 @@ log = logging.getLogger("comix.server")
 class Transport(Protocol):
     def init(self) -> dict[int, Tensors]: ...
     def train(self, payloads: dict[int, Tensors]) -> dict[int, tuple[Tensors, dict] | str]: ...
+    # secure aggregation only (Flower): (sum of the uploads, how many were summed, {client: metrics | error})
+    def train_secure(self, payloads: dict[int, Tensors], expected: dict[int, Tensors]
+                     ) -> tuple[Tensors, int, dict[int, dict | str]]: ...
     def finish(self, payloads: dict[int, Tensors]) -> None: ...
     def evaluate(self, payloads: dict[int, Tensors]) -> dict[str, dict]: ...
     def snapshot(self): ...
@@ -81,6 +85,44 @@ def shapes_only(tensors: Tensors) -> Tensors:
     return {n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in tensors.items()}
 
 
+def dp_noise(algorithm: Algorithm, seed: int, rnd: int) -> GaussianSumNoise | None:
+    """DP-FedAvg's noise for round ``rnd`` (from 0): std sigma x clip on each aggregate's sum,
+    seeded by (seed, round) so that every engine, secure aggregation included, draws the same."""
+    sigma = algorithm.privacy.noise_multiplier
+    return GaussianSumNoise(sigma * algorithm.privacy.clip, seed, rnd + 1) if sigma > 0 else None
+
+
+def secure_round(algorithm: Algorithm, transport: Transport, server_state, payloads, sampled: list[int],
+                 reference: dict, client_metrics: dict, rnd: int, seed: int, seen: set):
+    """One round under secure aggregation (Flower's SecAgg+): the transport returns the *sum* of
+    the uploads of the clients that finished the protocol and each client's metrics, never an
+    upload. What the server can still check: each client's declared listing (names and shapes)
+    against what it expects, and the sum's finiteness; the clients refuse to mask a non-finite or
+    out-of-range upload (a dropout, which SecAgg+ recovers from). Returns (server state, payloads,
+    the server.jsonl row)."""
+    t0 = time.time()
+    expected = {c: algorithm.expected_upload(server_state, c, reference[c]) for c in sampled}
+    total, count, replies = transport.train_secure({c: payloads[c] for c in sampled}, expected)
+    t_train = time.time()
+    for c in sampled:
+        reply = replies.get(c, "no reply")
+        down = tensor_bytes(payloads[c])
+        if isinstance(reply, str):
+            log.warning("round %d: client %d left out of the secure sum: %s", rnd + 1, c, reply)
+            client_metrics[c] = {"sampled": True, "failed": reply, "bytes_up": 0, "bytes_down": down}
+        else:
+            client_metrics[c] = {"sampled": True, **reply, "bytes_down": down}
+    if count == 0 or not all(torch.isfinite(t).all() for t in total.values()):
+        raise RuntimeError(f"round {rnd + 1}: secure aggregation returned no valid sum ({count} clients)")
+    algorithm.aggregation_noise = dp_noise(algorithm, seed, rnd)
+    server_state, payloads = algorithm.server_round_of_sum(server_state, total, count)
+    algorithm.aggregation_noise = None
+    declared = {c: expected[c] for c in sampled if not isinstance(replies.get(c, ""), str)}
+    row = {"round": rnd + 1, "train_s": round(t_train - t0, 4), "aggregate_s": round(time.time() - t_train, 4),
+           "secure_sum_of": count, **upload_record(declared, seen)}
+    return server_state, payloads, row
+
+
 def serve(algorithm: Algorithm, transport: Transport, users: list[str], out_dir: Path, seed: int = 42,
           resume: bool = False, progress: Callable[[dict], None] | None = None) -> dict:
     """Run ``algorithm`` to the end; writes metrics.jsonl (per client and round), server.jsonl (per
@@ -119,10 +161,16 @@ def serve(algorithm: Algorithm, transport: Transport, users: list[str], out_dir:
     for rnd in range(start, train.rounds):
         t0 = time.time()
         sampled = sample_clients(n_clients, train, seed, rnd + 1)
-        replies = transport.train({c: payloads[c] for c in sampled})
+        client_metrics = {c: {"sampled": False, "bytes_up": 0, "bytes_down": 0} for c in range(n_clients)}
+        if algorithm.privacy.secure_aggregation and any(reference[c] for c in sampled):
+            server_state, payloads, server_row = secure_round(algorithm, transport, server_state, payloads, sampled,
+                                                              reference, client_metrics, rnd, seed, seen)
+            replies = None
+        else:
+            replies = transport.train({c: payloads[c] for c in sampled})
         t_train = time.time()
-        uploads, client_metrics = {}, {c: {"sampled": False, "bytes_up": 0, "bytes_down": 0} for c in range(n_clients)}
-        for c in sampled:
+        uploads = {}
+        for c in sampled if replies is not None else ():
             reply = replies.get(c, "no reply")
             expected = algorithm.expected_upload(server_state, c, reference[c])
             reason = reply if isinstance(reply, str) else algorithm.check_upload(reply[0], expected)
@@ -133,20 +181,19 @@ def serve(algorithm: Algorithm, transport: Transport, users: list[str], out_dir:
                 continue
             uploads[c] = reply[0]
             client_metrics[c] = {"sampled": True, **reply[1], "bytes_up": tensor_bytes(reply[0]), "bytes_down": down}
-        if not uploads and sampled:
-            raise RuntimeError(f"round {rnd + 1}: no client replied with a valid upload")
-        t_agg = time.time()
-        if uploads:  # (Poisson sampling may draw nobody: the round leaves every payload as it was)
-            # DP-FedAvg: noise of std sigma x clip on each aggregate's sum, seeded by (seed, round)
-            sigma = algorithm.privacy.noise_multiplier
-            algorithm.aggregation_noise = GaussianSumNoise(sigma * algorithm.privacy.clip, seed, rnd + 1) \
-                if sigma > 0 else None
-            server_state, payloads = algorithm.server_round(server_state, uploads)
-            algorithm.aggregation_noise = None
-        # what the server did this round (Table IV's aggregation latency; FedAMoLE adds its expert
-        # assignment and RSEA time, which the paper counts inside aggregation)
-        server_row = {"round": rnd + 1, "train_s": round(t_train - t0, 4), "aggregate_s": round(time.time() - t_agg, 4),
-                      **algorithm.server_report(server_state), **upload_record(uploads, seen)}
+        if replies is not None:
+            if not uploads and sampled:
+                raise RuntimeError(f"round {rnd + 1}: no client replied with a valid upload")
+            t_agg = time.time()
+            if uploads:  # (Poisson sampling may draw nobody: the round leaves every payload as it was)
+                algorithm.aggregation_noise = dp_noise(algorithm, seed, rnd)
+                server_state, payloads = algorithm.server_round(server_state, uploads)
+                algorithm.aggregation_noise = None
+            # what the server did this round (Table IV's aggregation latency; FedAMoLE adds its expert
+            # assignment and RSEA time, which the paper counts inside aggregation)
+            server_row = {"round": rnd + 1, "train_s": round(t_train - t0, 4),
+                          "aggregate_s": round(time.time() - t_agg, 4), **upload_record(uploads, seen)}
+        server_row.update(algorithm.server_report(server_state))
         eps = epsilon_after(algorithm.privacy, rnd + 1, n_clients, train)
         if eps is not None:
             server_row["epsilon"] = eps

@@ -16,12 +16,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import json
 from pathlib import Path
 
 import torch
 import yaml
+import flwr.compat.common.recorddict_compat as compat
 from flwr.app import Context, Message, RecordDict
+from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
 from ...algorithms import REGISTRY
 from ...specs import build_algorithm, split_spec
@@ -32,7 +36,7 @@ from ...models import load_base_model
 from ...runtime import resolve
 from ..device import Device, RoundStore
 from ..inprocess import ClientModels
-from .wire import from_arrays, from_json, to_arrays, to_json
+from .wire import from_arrays, from_json, from_parameters, secure_fitres, to_arrays, to_json
 
 app = ClientApp()
 
@@ -73,8 +77,9 @@ def node_user(cfg, node: dict, client: int):
     return make_user_data({folder.name: user_folder(folder)}, tok, split)[0]
 
 
-def device_for(msg: Message, context: Context, read: int, write: int) -> Device:
-    run = from_json(msg.content["run"])
+def device_for(run: dict, context: Context, read: int, write: int) -> Device:
+    """This node's Device for the run description ``run`` (the server's), its private state read
+    from round ``read`` and written as round ``write``."""
     node = context.node_config
     client = int(node["client-id"] if "client-id" in node else node["partition-id"])  # partition-id: simulation
     cfg = load_config(text=run["config"])
@@ -99,16 +104,55 @@ def _round(msg: Message) -> int:
 
 @app.query("init")
 def init(msg: Message, context: Context) -> Message:
-    device = device_for(msg, context, 0, 0)
+    device = device_for(from_json(msg.content["run"]), context, 0, 0)
     shared = device.init()
     info = {"client": device.client, "user": device.data.name}
     return Message(RecordDict({"shared": to_arrays(shared), "info": to_json(info)}), reply_to=msg)
 
 
-@app.train()
+def secure_aggregation_mod(msg: Message, context: Context, call_next) -> Message:
+    """Flower's ``secaggplus_mod`` on the train messages of the SecAgg+ protocol (they carry its
+    config record), nothing on the others: one ClientApp serves runs with and without it."""
+    if RECORD_KEY_CONFIGS in msg.content.config_records:
+        return secaggplus_mod(msg, context, call_next)
+    return call_next(msg, context)
+
+
+def secure_upload_problem(upload: dict, clip_range: float) -> str | None:
+    """Why this device refuses to mask its upload (the server cannot check a masked vector, so the
+    device checks what the server would have): non-finite values, or values outside the range
+    SecAgg+ quantises (Flower would clip them silently and corrupt the sum)."""
+    for n, t in sorted(upload.items()):
+        if not torch.isfinite(t).all():
+            return f"tensor {n} holds NaN or inf"
+        if t.abs().max() > clip_range:
+            return f"tensor {n} has values beyond privacy.secagg_clip_range = {clip_range:g} ({t.abs().max():.3g})"
+    return None
+
+
+def _secure_train(msg: Message, context: Context) -> Message:
+    """The train step inside SecAgg+'s 'collect masked vectors' stage: the request and the reply are
+    legacy FitIns / FitRes records; secaggplus_mod masks the reply's parameters and clears them
+    before the reply leaves, so the upload itself never does."""
+    ins = compat.recorddict_to_fitins(msg.content, keep_input=True)
+    run, r = json.loads(ins.config["run"]), int(ins.config["round"])
+    payload = from_parameters(ins.parameters, json.loads(ins.config["payload"]))
+    device = device_for(run, context, r - 1, r)
+    upload, metrics = device.train(payload)
+    problem = secure_upload_problem(upload, device.algorithm.privacy.secagg_clip_range)
+    if problem:
+        raise ValueError(f"client {device.client} refuses to mask its upload: {problem}")
+    # what leaves: one int64 per value and the weight, masked (Flower's _collect_masked_vectors)
+    metrics["bytes_up"] = 8 * (1 + sum(t.numel() for t in upload.values()))
+    return Message(compat.fitres_to_recorddict(secure_fitres(upload, metrics), keep_input=True), reply_to=msg)
+
+
+@app.train(mods=[secure_aggregation_mod])
 def train(msg: Message, context: Context) -> Message:
+    if "fitins.parameters" in msg.content.array_records:  # inside SecAgg+
+        return _secure_train(msg, context)
     r = _round(msg)
-    device = device_for(msg, context, r - 1, r)
+    device = device_for(from_json(msg.content["run"]), context, r - 1, r)
     upload, metrics = device.train(from_arrays(msg.content["payload"]))
     return Message(RecordDict({"upload": to_arrays(upload), "metrics": to_json(metrics)}), reply_to=msg)
 
@@ -116,13 +160,13 @@ def train(msg: Message, context: Context) -> Message:
 @app.train("finish")
 def finish(msg: Message, context: Context) -> Message:
     r = _round(msg)
-    device_for(msg, context, r, r).finish(from_arrays(msg.content["payload"]))
+    device_for(from_json(msg.content["run"]), context, r, r).finish(from_arrays(msg.content["payload"]))
     return Message(RecordDict({"info": to_json({"finished": r})}), reply_to=msg)
 
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     r = _round(msg)
-    device = device_for(msg, context, r, r)
+    device = device_for(from_json(msg.content["run"]), context, r, r)
     metrics = device.evaluate(from_arrays(msg.content["payload"]), device.data)
     return Message(RecordDict({"metrics": to_json({"user": device.data.name, **metrics})}), reply_to=msg)

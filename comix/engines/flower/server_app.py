@@ -16,21 +16,23 @@ import os
 import time
 from pathlib import Path
 
-from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.server.compat.grid_client_proxy import GridClientProxy
+from flwr.server.strategy import Strategy
 from flwr.serverapp import Grid, ServerApp
 
 from ...specs import build_algorithm, server_context, spec_dirname
 from ...config import load_config
 from ..server import serve
-from .wire import from_arrays, from_json, to_arrays, to_json
+from .wire import from_arrays, from_json, from_parameters, secure_fitins, to_arrays, to_json
 
 log = logging.getLogger("comix.flower")
 app = ServerApp()
 
 
 class FlowerTransport:
-    def __init__(self, grid: Grid, run: dict, n_clients: int, timeout: float):
-        self.grid, self.run, self.n, self.timeout = grid, run, n_clients, timeout
+    def __init__(self, grid: Grid, run: dict, n_clients: int, timeout: float, privacy=None):
+        self.grid, self.run, self.n, self.timeout, self.privacy = grid, run, n_clients, timeout, privacy
         self.node_of: dict[int, int] = {}       # client id -> node id
         self.initial: dict[int, dict] = {}
         self.users: dict[int, str] = {}
@@ -67,15 +69,18 @@ class FlowerTransport:
                 time.sleep(1.0)
         return [self.users[c] for c in range(self.n)]
 
-    def _request(self, kind: str, payloads: dict, **extra) -> dict[int, Message | str]:
+    def _refresh(self, clients) -> None:
+        """Find again the devices of ``clients`` that came back under a new node id."""
         alive = set(self.grid.get_node_ids())
-        lost = [c for c in payloads if self.node_of.get(c) not in alive]
-        if lost:  # a device may have come back under a new node id
+        if any(self.node_of.get(c) not in alive for c in clients):
             self.node_of = {c: n for c, n in self.node_of.items() if n in alive}
             try:
                 self.discover(wait=0)
             except TimeoutError:
                 pass
+
+    def _request(self, kind: str, payloads: dict, **extra) -> dict[int, Message | str]:
+        self._refresh(payloads)
         msgs = [self._message(self.node_of[c], kind, payload=to_arrays(p)) for c, p in payloads.items()
                 if c in self.node_of]
         replies = self._send(msgs)
@@ -99,6 +104,41 @@ class FlowerTransport:
         return {c: r if isinstance(r, str) else (from_arrays(r.content["upload"]), from_json(r.content["metrics"]))
                 for c, r in self._request("train", payloads).items()}
 
+    def train_secure(self, payloads, expected):
+        """One round through Flower's SecAgg+ (its SecAggPlusWorkflow, run with a legacy context
+        whose strategy hands out each client's payload and keeps the unmasked mean): returns the
+        sum of the uploads of the clients that finished the protocol, their count, and per client
+        its metrics or why it is missing. A client whose declared listing is not the expected one
+        is reported, and the round fails: its masked vector is already inside the sum."""
+        from flwr.server.compat.legacy_context import LegacyContext
+        from flwr.server.workflow import SecAggPlusWorkflow
+
+        self.round += 1
+        self._refresh(payloads)
+        strategy = _SecureSum({self.node_of[c]: (c, secure_fitins(self.run, self.round, p))
+                               for c, p in payloads.items() if c in self.node_of}, self.grid)
+        context = LegacyContext(Context(run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config={}),
+                                strategy=strategy)
+        context.state["config"] = ConfigRecord({"current_round": self.round})
+        context.state["parameters"] = ArrayRecord()
+        p = self.privacy
+        # max_weight 1: every client weighs 1, so the weight's quantisation costs no precision
+        SecAggPlusWorkflow(_share_param(p.secagg_shares), _share_param(p.secagg_threshold), max_weight=1.0,
+                           clipping_range=p.secagg_clip_range, quantization_range=int(p.secagg_quantization),
+                           timeout=self.timeout)(self.grid, context)
+        replies: dict[int, dict | str] = {c: "no masked vector in the sum (dropped out, late or refused)"
+                                          for c in payloads}
+        for c, info in strategy.replies.items():
+            listing = [[n, list(t.shape)] for n, t in sorted(expected[c].items())]
+            if info["listing"] != listing:
+                raise RuntimeError(f"round {self.round}: client {c} masked tensors {info['listing'][:2]}..., expected "
+                                   f"{listing[:2]}...: a secure sum of different listings is meaningless")
+            replies[c] = info["metrics"]
+        count = len(strategy.replies)
+        listing = next(iter(expected.values()))
+        total = {n: t * count for n, t in from_parameters(strategy.mean, sorted(listing)).items()} if count else {}
+        return total, count, replies
+
     def finish(self, payloads) -> None:
         for c, r in self._request("train.finish", payloads).items():
             if isinstance(r, str):
@@ -121,6 +161,42 @@ class FlowerTransport:
         self.round = snapshot["round"]
 
 
+def _share_param(x: float) -> int | float:
+    """Flower reads an int as a count and a float as a fraction."""
+    return int(x) if x > 1 else float(x)
+
+
+class _SecureSum(Strategy):
+    """The two hooks SecAggPlusWorkflow calls: ``configure_fit`` (each sampled device's payload)
+    and ``aggregate_fit`` (the unmasked mean, identical in every result, and each device's
+    metrics). Nothing else of a Flower strategy is used."""
+
+    def __init__(self, fitins: dict, grid: Grid):
+        self.fitins, self.grid = fitins, grid   # node id -> (client, FitIns)
+        self.mean, self.replies = None, {}
+
+    def configure_fit(self, server_round, parameters, client_manager):
+        return [(GridClientProxy(node, self.grid, 0), ins) for node, (_, ins) in self.fitins.items()]
+
+    def aggregate_fit(self, server_round, results, failures):
+        for proxy, res in results:
+            self.mean = res.parameters
+            self.replies[self.fitins[proxy.node_id][0]] = json.loads(res.metrics["json"])
+        return None, {}
+
+    def initialize_parameters(self, client_manager):
+        return None
+
+    def configure_evaluate(self, server_round, parameters, client_manager):
+        return []
+
+    def aggregate_evaluate(self, server_round, results, failures):
+        return None, {}
+
+    def evaluate(self, server_round, parameters):
+        return None
+
+
 RUN_ENV = "COMIX_FLOWER_RUN"  # the run config of a simulation (run_simulation takes none); see simulation.py
 
 
@@ -129,6 +205,11 @@ def main(grid: Grid, context: Context) -> None:
     rc = dict(context.run_config)
     if os.environ.get(RUN_ENV):
         rc.update(json.loads(os.environ[RUN_ENV]))
+    serve_on(grid, rc)
+
+
+def serve_on(grid: Grid, rc: dict) -> dict:
+    """The run of ``rc`` (the run config above) over ``grid``; returns results.json."""
     cfg = load_config(str(rc["config"]))
     spec = str(rc["method"])
     seed = int(rc.get("seed", -1))
@@ -136,9 +217,9 @@ def main(grid: Grid, context: Context) -> None:
     n = int(rc["clients"])
     run = {"config": Path(str(rc["config"])).read_text(), "method": spec, "seed": seed, "n_clients": n,
            "state_dir": rc.get("state-dir")}
-    transport = FlowerTransport(grid, run, n, float(rc.get("timeout", 600)))
-    users = transport.discover(float(rc.get("wait", 120)))
     algo = build_algorithm(cfg, spec, n)
+    transport = FlowerTransport(grid, run, n, float(rc.get("timeout", 600)), algo.privacy)
+    users = transport.discover(float(rc.get("wait", 120)))
     out = Path(str(rc["run-dir"])) / spec_dirname(spec)
     algo.server = server_context(cfg, out, seed)
 
@@ -147,3 +228,4 @@ def main(grid: Grid, context: Context) -> None:
                  p["metric"], p["scores"], p["seconds"])
     result = serve(algo, transport, users, out, seed=seed, resume=True, progress=progress)
     log.info("done: mean %s %.4f -> %s", result["metric"], result["mean"], out / "results.json")
+    return result
