@@ -253,9 +253,10 @@ def compare(config=None, *overrides: str, methods=None, seeds=None, resume=None,
     return results
 
 
-def export(run_dir, user: str, out, method: str | None = None, merged: bool = False,
+def export(run_dir, user: str | None, out, method: str | None = None, merged: bool = False,
            static: bool = False) -> Path:
-    """``user``'s model of a finished run as PEFT folders and a manifest (comix/personal.py); returns ``out``."""
+    """``user``'s model of a finished run (PEFT folders where the method has them) or the run's
+    global model (DeepFusion, FedJETS; ``user`` None), with a manifest (comix/personal.py); returns ``out``."""
     from .personal import export_personal
     return export_personal(Path(run_dir), user, Path(out), method=method, merged=merged, static=static)
 

@@ -137,12 +137,16 @@ def cmd_export(args) -> int:
     out = export_personal(Path(args.dir), args.user, Path(args.out), method=args.method, merged=args.merged,
                           static=args.static)
     man = json.loads((out / "manifest.json").read_text())
-    print(f"exported {man['method']} / {args.user} ({man['kind']}) to {out}")
+    print(f"exported {man['method']} / {man.get('user', 'every user')} ({man['kind']}) to {out}")
     if man["kind"] == "lora":
         print(f"  PEFT: PeftModel.from_pretrained(base, '{out}')" + (f"; merged model: {out}/merged" if args.merged else ""))
-    else:
+    elif man["kind"] == "mixture":
         print(f"  {len(man['experts'])} experts as PEFT folders under {out}/experts, routers in {out}/routers.safetensors"
               + (f"; static approximation: {out}/static" if args.static else ""))
+    elif man["kind"] == "global-moe":
+        print(f"  the server's global model: AutoModelForCausalLM.from_pretrained('{out}/model')")
+    else:
+        print(f"  {man['note']}")
     print(f"  exact model: comix.load_personal('{out}'); try: comix generate {out} \"Hello\"")
     return 0
 
@@ -256,9 +260,11 @@ def main(argv=None) -> int:
                                    "corpus; loads the model's tokenizer only.")
     d.add_argument("corpus", nargs="?", default="multilingual", help="a corpus name or folder (see comix run --help)")
     d.add_argument("overrides", nargs="*", help="key=value config keys, e.g. model=tiny-llama data.mode=ood")
-    e = sub.add_parser("export", help="a user's personalised model as PEFT folders and a manifest (comix.load_personal)")
+    e = sub.add_parser("export", help="a user's personalised model (PEFT folders where they exist) or a run's global "
+                       "model, with a manifest (comix.load_personal)")
     e.add_argument("dir", help="a run folder (with --method when it holds several) or a method folder")
-    e.add_argument("--user", required=True)
+    e.add_argument("--user", help="the user (every method with a model per user; not DeepFusion / FedJETS, whose "
+                                   "global model serves everyone)")
     e.add_argument("--out", required=True, help="a new folder")
     e.add_argument("--method", help="the method spec, when the run holds several")
     e.add_argument("--merged", action="store_true", help="plain LoRA: also the base with the LoRA merged (merged/)")

@@ -15,6 +15,10 @@
     one PEFT adapter of the experts combined with the user's mean routing weights by PEFT's
     ``add_weighted_adapter(..., combination_type="cat")`` (an approximation: routing is per token
     and the MLP is not linear; the manifest says so), for servers that take one LoRA per request.
+  * other layers (FedAMoLE's AMoLE, soft prompts; kind ``comix``): the adapters and the manifest
+    only, which ``load_personal`` rebuilds (no PEFT form exists for them);
+  * a method whose model is the server's (DeepFusion, FedJETS; kind ``global-moe``): the run's
+    Mixtral folder as ``model/``, one model for every user.
 Not PEFT's X-LoRA format: in peft 0.21.2 its save drops the classifier's weights and its single
 classifier cannot express CoMiGS's per-layer token routers (issue F1).
 """
@@ -32,6 +36,7 @@ from torch import nn
 
 MANIFEST = "manifest.json"
 ADAPTERS = "comix_adapters.safetensors"
+GLOBAL = "global-moe"   # where a run saves a server-side global model (algorithms/global_moe.save_moe)
 
 
 class ExportError(ValueError):
@@ -58,14 +63,20 @@ def run_config(method_dir: Path) -> Path:
     raise ExportError(f"{method_dir} belongs to no comix run (no config.yaml above it)")
 
 
+def _exportable(method_dir: Path) -> bool:
+    """A finished method folder with per-user adapters or a global model (DeepFusion, FedJETS)."""
+    return (method_dir / "results.json").exists() and \
+        ((method_dir / "adapters").is_dir() or (method_dir / GLOBAL / "config.json").exists())
+
+
 def method_dirs(run_dir: Path) -> list[Path]:
-    return sorted(p.parent for p in Path(run_dir).glob("*/results.json") if (p.parent / "adapters").is_dir())
+    return sorted(p.parent for p in Path(run_dir).glob("*/results.json") if _exportable(p.parent))
 
 
 def resolve_method_dir(path: Path, method: str | None = None) -> Path:
     """The method folder of ``path`` (itself, or the one ``method`` names in a run folder)."""
     path = Path(path)
-    if (path / "results.json").exists() and (path / "adapters").is_dir():
+    if _exportable(path):
         return path
     if not (path / "config.yaml").exists() and not (path.parent / "config.yaml").exists():
         raise ExportError(f"{path} is not a comix run (no config.yaml) nor a method folder of one")
@@ -194,7 +205,38 @@ PLAIN = {"attention_lora", "mlp_lora", "personal_lora", "fusion"}
 MIXTURE = {"attention_lora", "generalist", "specialist", "router"}
 
 
-def export_personal(path: Path, user: str, out: Path, method: str | None = None, merged: bool = False,
+def _into(out: Path, write) -> Path:
+    """``write(tmp)`` into a temporary sibling of ``out``, renamed to ``out`` at the end: a failed
+    export leaves nothing behind."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+    try:
+        write(tmp)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _export_global(method_dir: Path, out: Path) -> Path:
+    """A method whose model is the server's (DeepFusion's, FedJETS' global MoE, a Mixtral folder
+    with its tokenizer): the folder as ``model/`` with a manifest; it serves every user."""
+    from .config import load_config
+    spec = json.loads((method_dir / "results.json").read_text())["method"]
+    cfg = run_config(method_dir)
+
+    def write(tmp: Path):
+        shutil.copytree(method_dir / GLOBAL, tmp / "model")
+        manifest = {"format": "comix-personal/1", "method": spec, "kind": "global-moe", "model": "model",
+                    "base": {"spec": load_config(str(cfg)).model}, "config": cfg.read_text(),
+                    "note": "the server's global model: one model for every user, loads with "
+                            "AutoModelForCausalLM.from_pretrained(<out>/model)"}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return _into(out, write)
+
+
+def export_personal(path: Path, user: str | None, out: Path, method: str | None = None, merged: bool = False,
                     static: bool = False) -> Path:
     """Write ``user``'s model of the run at ``path`` to ``out`` (see the module docstring);
     everything goes to a temporary sibling first and is renamed at the end. Returns ``out``."""
@@ -204,22 +246,29 @@ def export_personal(path: Path, user: str, out: Path, method: str | None = None,
     if out.exists():
         raise ExportError(f"--out {out} exists: choose a new folder (nothing is overwritten)")
     method_dir = resolve_method_dir(path, method)
+    if not (method_dir / "adapters").is_dir():
+        return _export_global(method_dir, out)
+    if not user:
+        raise ExportError(f"--user is needed: {method_dir.name} keeps a model per user "
+                          f"(users: {', '.join(_users_in_order(method_dir))})")
     model, tok, info = rebuild(method_dir, user)
     algo, adapters, cfg, spec = info["algorithm"], info["adapters"], info["config"], info["spec"]
     roles = _roles(adapters)
-    kind = "lora" if roles <= PLAIN else "mixture" if roles <= MIXTURE else None
-    if kind is None:
-        raise ExportError(f"{spec}'s adapters ({', '.join(sorted(roles))}) have no export format yet; "
-                          "plain LoRA and CoMiGS-style mixtures export")
+    # plain LoRA and CoMiGS-style mixtures have PEFT forms; other layers (FedAMoLE's AMoLE with
+    # its token projection, soft prompts) only comix's own form, which load_personal rebuilds
+    kind = "lora" if roles <= PLAIN else "mixture" if roles <= MIXTURE else "comix"
     from .models import mixtures, param_role
     from .models.mixture import MixtureOfLoRAMLP
     manifest = {"format": "comix-personal/1", "method": spec, "user": user, "client": info["client"],
                 "n_clients": info["n_clients"], "kind": kind, "base": {"spec": cfg.model, "sha256": info["base_sha256"]},
                 "config": run_config(method_dir).read_text(),
                 "adapters": ADAPTERS}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
-    try:
+    if kind == "comix":
+        manifest["peft"] = None
+        manifest["note"] = (f"{', '.join(sorted(roles - PLAIN - MIXTURE))} have no PEFT form: comix.load_personal "
+                            "rebuilds the model, lm-eval scores it as --model comix (comix/harness.py)")
+
+    def write(tmp: Path):
         save_file({n: t.contiguous() for n, t in adapters.items()}, str(tmp / ADAPTERS))
         if kind == "lora":
             write_peft_lora(_lora_modules(model), tmp, cfg.model)
@@ -227,7 +276,7 @@ def export_personal(path: Path, user: str, out: Path, method: str | None = None,
             if merged:
                 _write_merged(model, tok, tmp / "merged", cfg.model)
                 manifest["merged"] = "merged"
-        else:
+        elif kind == "mixture":
             layers = [m for m in mixtures(model) if isinstance(m, MixtureOfLoRAMLP)]
             n = layers[0].n_experts
             for j in range(n):
@@ -246,11 +295,7 @@ def export_personal(path: Path, user: str, out: Path, method: str | None = None,
                                       "experts combined by the user's mean gate (PEFT cat); the mixture routes each "
                                       "token and its MLP is not linear, so this is not the personal model"}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    return _into(out, write)
 
 
 def _expert_param(model: nn.Module, j: int) -> str:
@@ -307,6 +352,11 @@ def load_personal(folder: str | Path, base: nn.Module | None = None):
     if not (folder / MANIFEST).exists():
         raise ExportError(f"{folder} holds no {MANIFEST}: not a `comix export` folder")
     man = json.loads((folder / MANIFEST).read_text())
+    if man["kind"] == "global-moe":  # a plain transformers folder (Mixtral) with its tokenizer
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        path = str(folder / man["model"])
+        tok = AutoTokenizer.from_pretrained(path) if (folder / man["model"] / "tokenizer_config.json").exists() else None
+        return AutoModelForCausalLM.from_pretrained(path).eval(), tok
     tok = None
     if base is None:
         base, tok = load_base_model(man["base"]["spec"], dropout=0.0)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from comix.cli import main
-from comix.personal import ExportError, export_personal, load_personal, rebuild
+from comix.personal import ExportError, export_personal, load_personal, rebuild, resolve_method_dir
 from comix.models import AdapterConfig, inject_adapters, load_base_model
 from test_cli import TINY, _user_dirs
 
@@ -146,3 +146,105 @@ def test_the_python_face_runs_exports_and_reloads(tmp_path):
     out = comix.export(tmp_path / "run", user="alice", out=tmp_path / "alice")
     model, tok = comix.load_personal(out)
     assert tok is not None and model(input_ids=_ids()).logits.shape == (2, 24, 257)
+
+
+TASK = """task: comix_tiny_choice
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: answer
+metric_list:
+  - metric: acc
+"""
+
+
+def _harness_task(folder):
+    """A multiple-choice task on local files, as a user would write one (no network)."""
+    folder.mkdir()
+    docs = [{"question": "the cat sat on", "choices": [" a mat", " der hund", " import"], "answer": 0},
+            {"question": "der hund lief", "choices": [" the mat", " im park", " return"], "answer": 1},
+            {"question": "def f(): return", "choices": [" cat", " park", " import class"], "answer": 2}]
+    (folder / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (folder / "tiny.yaml").write_text(TASK.format(data=folder / "docs.jsonl"))
+    return folder
+
+
+def _harness(model, model_args, tasks_dir):
+    """lm-eval's evaluator (what its command line calls): per-choice log-likelihoods and accuracy."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+    import comix.harness  # noqa: F401  registers the ``comix`` model
+    out = simple_evaluate(model=model, model_args=model_args, tasks=["comix_tiny_choice"], log_samples=True,
+                          task_manager=TaskManager(include_path=str(tasks_dir)), device="cpu", batch_size=1)
+    samples = out["samples"]["comix_tiny_choice"]
+    lls = [[(args, r[0][0]) for args, r in zip(s["arguments"], s["resps"])] for s in samples]
+    return lls, out["results"]["comix_tiny_choice"]["acc,none"]
+
+
+def test_lm_eval_harness_scores_an_exported_adapter_and_a_mixture(run, tmp_path):
+    """Plain LoRA: lm-eval's own ``hf`` model with ``peft=`` and the ``comix`` model give the same
+    log-likelihoods (PEFT's loader and comix's agree), not the base's. A mixture through ``comix``:
+    lm-eval scores exactly the rebuilt personal model (each choice's log-likelihood recomputed here)."""
+    pytest.importorskip("lm_eval")
+    tasks = _harness_task(tmp_path / "tasks")
+    base, tok = load_base_model("tiny-llama")
+    base.save_pretrained(str(tmp_path / "base"))
+    tok.save_pretrained(str(tmp_path / "base"))
+    plain = export_personal(run, "alice", tmp_path / "alice", method="fedavg")
+    via_peft, acc = _harness("hf", f"pretrained={tmp_path / 'base'},peft={plain}", tasks)
+    via_comix, _ = _harness("comix", f"personal={plain}", tasks)
+    bare, _ = _harness("hf", f"pretrained={tmp_path / 'base'}", tasks)
+    def values(lls):
+        return torch.tensor([[ll for _, ll in doc] for doc in lls])
+    assert torch.allclose(values(via_peft), values(via_comix), atol=1e-4) and 0 <= acc <= 1
+    assert not torch.allclose(values(via_peft), values(bare), atol=1e-3)
+
+    mixture = export_personal(run, "bob", tmp_path / "bob", method="comigs-1g1s")
+    got, _ = _harness("comix", f"personal={mixture}", tasks)
+    model, _ = load_personal(mixture)
+    from comix.harness import ComixLM
+    lm = ComixLM(personal=str(mixture), batch_size=1)
+    assert sum(len(doc) for doc in got) == 9
+    for doc in got:
+        for (context, continuation), ll in doc:  # the requests lm-eval built from the task
+            ctx, cont = lm._encode_pair(context, continuation)
+            ids = torch.tensor([ctx + cont])
+            logp = torch.log_softmax(_logits(model, ids[:, :-1]).double(), -1)[0, len(ctx) - 1:]
+            assert ll == pytest.approx(float(logp.gather(-1, torch.tensor(cont)[:, None]).sum()), abs=1e-4)
+
+
+def test_layers_without_a_peft_form_and_global_models_export_and_reload(tmp_path):
+    """FedAMoLE's AMoLE layers and soft prompts have no PEFT form: comix's own (adapters + manifest)
+    reloads with the run's logits. DeepFusion's model is the server's: its Mixtral folder is
+    exported for every user and reloads as plain transformers."""
+    from transformers import AutoModelForCausalLM
+    from test_deepfusion import DF, _domains
+    data = _user_dirs(tmp_path / "data")
+    run = tmp_path / "run"
+    assert main(["run", f"corpus={data}", f"run_dir={run}", "methods=[fedamole:pool=6,slots=4,fedprompt]", *TINY]) == 0
+    ids = _ids()
+    for method in ("fedamole:pool=6,slots=4", "fedprompt"):
+        out = export_personal(run, "carol", tmp_path / method.replace(":", "_"), method=method)
+        man = json.loads((out / "manifest.json").read_text())
+        assert man["kind"] == "comix" and man["peft"] is None and "no PEFT form" in man["note"]
+        model, _ = load_personal(out)
+        want, _, _ = rebuild(resolve_method_dir(run, method), "carol")
+        assert torch.equal(_logits(model, ids), _logits(want, ids)), method
+        base, _ = load_base_model("tiny-llama")
+        mine = _logits(model, ids)[:, -ids.shape[1]:]  # (a soft prompt's virtual tokens come first)
+        assert not torch.allclose(mine, _logits(base, ids), atol=1e-4)  # the adapters count
+    df = tmp_path / "df"
+    assert main(["run", f"corpus={_domains(tmp_path / 'domains')}", "methods=[deepfusion]", f"run_dir={df}", *DF]) == 0
+    out = tmp_path / "df-export"
+    assert main(["export", str(df), "--out", str(out)]) == 0
+    model, tok = load_personal(out)
+    saved = AutoModelForCausalLM.from_pretrained(str(df / "deepfusion" / "global-moe")).eval()
+    assert type(model).__name__ == "MixtralForCausalLM" and tok is not None
+    assert torch.equal(_logits(model, ids), _logits(saved, ids))
+    # a method with a model per user needs --user (one line)
+    assert main(["export", str(run), "--method", "fedprompt", "--out", str(tmp_path / "x")]) == 2
