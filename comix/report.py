@@ -371,23 +371,62 @@ def server_section(page: Page, runs: dict[str, dict[int, Path]]) -> None:
             page.fig(fig, f"kd-{_slug(spec)}.png", f"{spec}: CE (solid), FM (dashed) and KL (dotted) per KD step, "
                                                     "one colour per domain")
             first = rows[0]
+            true = _true_domains(by[min(by)], len(first.get("domains", [])))
             if first.get("embedding_2d"):
-                fig, ax = plt.subplots(figsize=(4.6, 3.8))
-                pts, labels = first["embedding_2d"], first.get("domains", [0] * len(first["embedding_2d"]))
-                for k in sorted(set(labels)):
-                    mine = [p for p, lab in zip(pts, labels) if lab == k]
-                    ax.scatter([p[0] for p in mine], [p[1] for p in mine], color=COLORS[k % len(COLORS)], label=f"cluster {k}")
-                for i, p in enumerate(pts):
-                    ax.annotate(f"client{first.get('clients', range(len(pts)))[i]}", p, fontsize=7)
-                ax.set_xlabel("principal component 1")
-                ax.set_ylabel("principal component 2")
-                ax.legend(fontsize=7)
+                pts = first["embedding_2d"]
+                views = [("cluster", first.get("domains", [0] * len(pts)))]
+                if true:  # the data's dominant category (partition.json): did clustering find it?
+                    names = sorted(set(true))
+                    views.append(("true domain", [names.index(t) for t in true]))
+                fig, axes = plt.subplots(1, len(views), figsize=(4.6 * len(views), 3.8), squeeze=False)
+                for ax, (what, labels) in zip(axes[0], views):
+                    for k in sorted(set(labels)):
+                        mine = [p for p, lab in zip(pts, labels) if lab == k]
+                        name = f"cluster {k}" if what == "cluster" else names[k]
+                        ax.scatter([p[0] for p in mine], [p[1] for p in mine], color=COLORS[k % len(COLORS)], label=name)
+                    for i, p in enumerate(pts):
+                        ax.annotate(f"client{first.get('clients', range(len(pts)))[i]}", p, fontsize=7)
+                    ax.set_title(f"coloured by {what}", fontsize=9)
+                    ax.set_xlabel("principal component 1")
+                    ax.set_ylabel("principal component 2")
+                    ax.legend(fontsize=7)
                 fig.tight_layout()
                 page.fig(fig, f"embeddings-{_slug(spec)}.png", f"{spec}: the devices' data embeddings (first two "
-                                                                "principal components), coloured by their cluster")
+                                                                "principal components), coloured by the server's cluster"
+                                                                + (" and by each device's dominant true domain" if true else ""))
+            loads = [r for r in _jsonl(by[min(by)] / "metrics.jsonl")
+                     if r.get("evaluated_by") == "server" and r.get("expert_load")]
+            if loads:
+                last = [r for r in loads if r["round"] == loads[-1]["round"]]
+                grid = [r["expert_load"] for r in last]
+                fig, ax = plt.subplots(figsize=(1.2 + 0.7 * len(grid[0]), 0.8 + 0.4 * len(grid)))
+                im = ax.imshow(grid, cmap="viridis", vmin=0, aspect="auto")
+                ax.set_xticks(range(len(grid[0])), [f"expert {j}" for j in range(len(grid[0]))], fontsize=7)
+                ax.set_yticks(range(len(last)), [r["user"] for r in last], fontsize=7)
+                for i, row in enumerate(grid):
+                    for j, v in enumerate(row):
+                        top = max(max(r) for r in grid)  # dark cells (low load) get white text
+                        ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=6, color="w" if v < 0.5 * top else "k")
+                fig.colorbar(im, ax=ax, fraction=0.05)
+                fig.tight_layout()
+                page.fig(fig, f"expert-load-{_slug(spec)}.png", f"{spec}: the global MoE's expert load per test "
+                                                                 "domain (share of top-k routing slots, mean over layers)")
             if "domains" in first and "devices" in first:
-                page.md("| device | model | cluster |\n|---|---|---|\n" + "\n".join(
-                    f"| client{i} | {m} | {c} |" for i, (m, c) in enumerate(zip(first["devices"], first["domains"]))))
+                page.md("| device | model | cluster | dominant true domain |\n|---|---|---|---|\n" + "\n".join(
+                    f"| client{i} | {m} | {c} | {true[i] if true else '-'} |"
+                    for i, (m, c) in enumerate(zip(first["devices"], first["domains"]))))
+
+
+def _true_domains(method_dir: Path, n: int) -> list[str] | None:
+    """Each client's largest category (and its share) from the run's partition.json (Dirichlet
+    clients record their mixtures); None when the run recorded none for ``n`` clients."""
+    for folder in (method_dir.parent, method_dir.parent.parent):
+        path = folder / "partition.json"
+        if path.exists():
+            mixes = [row.get("mixture") for row in json.loads(path.read_text()).values()]
+            if len(mixes) == n and all(mixes):
+                return [max(m, key=m.get) for m in mixes]
+    return None
 
 
 def traffic_section(page: Page, runs: dict[str, dict[int, Path]]) -> None:

@@ -331,6 +331,8 @@ def test_deepfusion_one_shot_end_to_end(tmp_path, monkeypatch):
         assert len(report["domains"]) == 5 and set(report["domains"]) <= {0, 1, 2}
         assert len(report["embedding_2d"]) == 5 and all(len(p) == 2 for p in report["embedding_2d"])
         assert (report["kd"][0]["fm"] > 0) == (method == "deepfusion")  # the logit-only baseline has no FM
+        loads = [r["expert_load"] for r in rows if r.get("evaluated_by") == "server"]
+        assert len(loads) == 3 and all(len(x) == 3 and sum(x) == pytest.approx(1, abs=1e-3) for x in loads)
     # different architectures took part
     assert len({spec for *_, spec in sent}) >= 2
     # Tables I-II and Fig. 7-8 in the comparison: the upload column is what the devices sent
@@ -343,6 +345,13 @@ def test_deepfusion_one_shot_end_to_end(tmp_path, monkeypatch):
     assert f"| deepfusion | {total:.2f} |" in md
     assert "| deepfusion | med" not in md and "| method | code | fin | med |" in md
     assert (tmp_path / "global-model.png").read_bytes()[:4] == b"\x89PNG"  # Fig. 7-9
+    # the report: each device's true dominant domain beside its cluster, the experts' load per domain
+    mixes = [row["mixture"] for row in json.loads((tmp_path / "partition.json").read_text()).values()]
+    assert len(mixes) == 5 and all(set(m) == {"med", "fin", "code"} and sum(m.values()) == pytest.approx(1, abs=1e-3)
+                                   for m in mixes)
+    page = (tmp_path / "report.md").read_text()
+    assert "expert load per test domain" in page and "| dominant true domain |" in page
+    assert f"| client0 | {report['devices'][0]} | {report['domains'][0]} | {max(mixes[0], key=mixes[0].get)} |" in page
 
 
 def test_deepfusion_refuses_bad_settings_in_one_line(tmp_path, capsys):

@@ -85,8 +85,32 @@ def score_on_server(model: nn.Module, server: ServerContext, train) -> dict[str,
                         train.max_new_tokens)
             row.update({f"{prefix}_ppl": math.exp(nll / n), f"{prefix}_log_ppl": nll / n,
                         f"{prefix}_token_acc": 100.0 * correct / n})
+        if getattr(model.config, "num_local_experts", 0):
+            with server.runtime.autocast():
+                row["expert_load"] = expert_load(model, tokens, train.seq_len, train.eval_batch_size)
         out[domain] = row
     return out
+
+
+@torch.no_grad()
+def expert_load(moe: nn.Module, tokens: torch.Tensor, seq_len: int, batch_size: int = 8) -> list[float]:
+    """The share of top-k routing slots each expert of a Mixtral MoE takes on ``tokens`` (mean over
+    layers; sums to 1): which experts a domain's text uses (the report's expert load per domain)."""
+    was_training = moe.training
+    moe.eval()
+    device = next(moe.parameters()).device
+    k, n = moe.config.num_experts_per_tok, moe.config.num_local_experts
+    counts = torch.zeros(n, dtype=torch.float64)
+    windows = [tokens[s:s + seq_len] for s in range(0, len(tokens) - 1, seq_len) if len(tokens[s:s + seq_len]) == seq_len]
+    try:
+        for b in range(0, len(windows), batch_size):
+            x = torch.stack(windows[b:b + batch_size]).long().to(device)
+            for logits in moe(input_ids=x, output_router_logits=True).router_logits:  # one per layer
+                top = logits.float().topk(k, dim=-1).indices.reshape(-1).cpu()
+                counts += torch.bincount(top, minlength=n).double()
+    finally:
+        moe.train(was_training)
+    return [round(v, 4) for v in (counts / counts.sum().clamp_min(1)).tolist()]
 
 
 def device_cache_path(key: str):

@@ -96,6 +96,9 @@ class UserData:
     splits: tuple[str, ...] = field(default=("train", "valid", "test"), repr=False)
     task: str = "lm"                       # lm | classification | generation
     choices: tuple[str, ...] = ()          # classification: the label strings scored by the LM
+    # a Dirichlet client's share of each category (partition.json; the report colours DeepFusion's
+    # device embeddings by the largest): what the data is, never sent to the server
+    mixture: dict[str, float] = field(default_factory=dict, repr=False)
 
     def tokens(self, split: str) -> torch.Tensor:
         return getattr(self, split)
@@ -272,7 +275,8 @@ def dirichlet_clients(parts: dict[str, dict[str, torch.Tensor]], cfg: SplitConfi
                 offset = int(torch.randint(len(stream) - m + 1, (1,), generator=rng))
                 eval_pieces.append(stream[offset:offset + m])
             evals[split] = torch.cat(eval_pieces)
-        users.append(UserData(f"client{i:0{len(str(n - 1))}d}", torch.cat(pieces), evals["valid"], evals["test"]))
+        users.append(UserData(f"client{i:0{len(str(n - 1))}d}", torch.cat(pieces), evals["valid"], evals["test"],
+                              mixture={c: round(float(mixtures[i, k]), 4) for k, c in enumerate(names)}))
     return users
 
 
@@ -302,7 +306,7 @@ def describe_partition(users: list[UserData]) -> dict:
         return h.hexdigest()[:16]
     out = {}
     for u in users:
-        row = {"task": u.task}
+        row = {"task": u.task, **({"mixture": u.mixture} if u.mixture else {})}
         for s in ("train", "valid", "test"):
             split = u.tokens(s)
             row[s] = {"size": len(split), "sha1": digest(split)}
