@@ -249,14 +249,18 @@ def gates_section(page: Page, runs: dict[str, dict[int, Path]]) -> None:
         fig, axes = plt.subplots(2, len(users), figsize=(3 * len(users), 5.2), squeeze=False)
         for j, user in enumerate(users):
             mine = sorted((r["round"], r["gates"]) for r in rows if r["user"] == user)
-            n = len(mine[-1][1][0])
+            # FedAMoLE gives each module its own number of expert slots (eq. 21's K_c differs by
+            # module): a slot's line averages the layers that have it, missing cells stay blank
+            n = max(len(layer) for layer in mine[-1][1])
             for e in range(n):
-                axes[0, j].plot([rnd for rnd, _ in mine], [statistics.fmean(layer[e] for layer in g) for _, g in mine],
+                axes[0, j].plot([rnd for rnd, _ in mine],
+                                [statistics.fmean(layer[e] for layer in g if len(layer) > e) for _, g in mine],
                                 marker="o", ms=3, color=COLORS[e % len(COLORS)], label=f"expert {e}")
             axes[0, j].set_title(user, fontsize=9)
             axes[0, j].set_ylim(0, 1)
             axes[0, j].xaxis.set_major_locator(MaxNLocator(integer=True))
-            im = axes[1, j].imshow([list(x) for x in zip(*mine[-1][1])], aspect="auto", vmin=0, vmax=1, cmap="viridis")
+            last = [[layer[e] if len(layer) > e else float("nan") for layer in mine[-1][1]] for e in range(n)]
+            im = axes[1, j].imshow(last, aspect="auto", vmin=0, vmax=1, cmap="viridis")
             axes[1, j].set_xlabel("layer")
             axes[1, j].set_ylabel("expert")
             axes[1, j].yaxis.set_major_locator(MaxNLocator(integer=True))

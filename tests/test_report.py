@@ -73,3 +73,15 @@ def test_a_folder_that_is_not_a_run_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "is not a comix run" in err[0]
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_gates_of_modules_with_different_expert_counts_are_drawn(tmp_path):
+    """FedAMoLE gives each module its own number of expert slots: the expert-score figure averages
+    each slot over the modules that have it (a run's report once failed on this)."""
+    from comix.report import Page, gates_section
+    rows = [{"round": r, "user": u, "gates": [[0.5, 0.5], [0.2, 0.3, 0.5], [1.0]]} for r in (1, 2) for u in ("a", "b")]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    page = Page("t")
+    gates_section(page, {"fedamole": {1: tmp_path}})
+    figs = [b for b in page.blocks if b[0] == "fig"]
+    assert len(figs) == 1 and figs[0][2][:4] == b"\x89PNG"
