@@ -146,7 +146,8 @@ def cmd_export(args) -> int:
     elif man["kind"] == "global-moe":
         print(f"  the server's global model: AutoModelForCausalLM.from_pretrained('{out}/model')")
     else:
-        print(f"  {man['note']}")
+        print(f"  {man['note']}" + (f"; {len(man['experts'])} experts as PEFT folders under {out}/experts "
+                                    "(approximations)" if man.get("experts") else ""))
     print(f"  exact model: comix.load_personal('{out}'); try: comix generate {out} \"Hello\"")
     return 0
 

@@ -16,7 +16,8 @@
     ``add_weighted_adapter(..., combination_type="cat")`` (an approximation: routing is per token
     and the MLP is not linear; the manifest says so), for servers that take one LoRA per request.
   * other layers (FedAMoLE's AMoLE, soft prompts; kind ``comix``): the adapters and the manifest
-    only, which ``load_personal`` rebuilds (no PEFT form exists for them);
+    only, which ``load_personal`` rebuilds (no PEFT form exists for them); FedAMoLE adds
+    ``experts/<id>/``, per held global expert the PEFT LoRA of "routers always pick it";
   * a method whose model is the server's (DeepFusion, FedJETS; kind ``global-moe``): the run's
     Mixtral folder as ``model/``, one model for every user.
 Not PEFT's X-LoRA format: in peft 0.21.2 its save drops the classifier's weights and its single
@@ -164,6 +165,26 @@ def _lora_modules(model: nn.Module, expert: int | None = None) -> dict[str, tupl
     return out
 
 
+def _amole_modules(model: nn.Module, expert_id: int) -> dict[str, tuple[torch.Tensor, torch.Tensor, float, bool]]:
+    """module path -> (A, B, scaling, fan_in_fan_out) of the model whose AMoLE routers always give
+    global expert ``expert_id`` weight 1: on every AMoLE module the shared expert, concatenated in
+    rank with ``expert_id``'s LoRA where this client holds it (shared + expert, exactly), plus the
+    model's plain LoRA modules."""
+    from transformers.pytorch_utils import Conv1D
+
+    out = dict(_lora_modules(model))
+    for name, m in _amole_layers(model):
+        ids = m.slot_ids[:m.n_active].tolist()
+        parts = [(m.shared.lora_A.detach(), m.shared.lora_B.detach())] if m.shared is not None else []
+        if expert_id in ids:
+            slot = ids.index(expert_id)
+            parts.append((m.expert_A[slot].detach(), m.expert_B[slot].detach()))
+        if parts:
+            out[name + ".base"] = (torch.cat([a for a, _ in parts]), torch.cat([b for _, b in parts], 1), m.scaling,
+                                   isinstance(m.base, Conv1D))
+    return out
+
+
 def _peft_prefix(path: str) -> str:
     return f"base_model.model.{path}"
 
@@ -276,6 +297,17 @@ def export_personal(path: Path, user: str | None, out: Path, method: str | None 
             if merged:
                 _write_merged(model, tok, tmp / "merged", cfg.model)
                 manifest["merged"] = "merged"
+        elif kind == "comix" and _amole_layers(model):
+            # FedAMoLE: one PEFT folder per global expert this client holds, "the model whose
+            # routers always pick it" (with the shared expert; where a module lacks it, the shared
+            # expert alone); the personal model itself is the comix form
+            holds = {name: m.slot_ids[:m.n_active].tolist() for name, m in _amole_layers(model)}
+            held = sorted({i for ids in holds.values() for i in ids})
+            for j in held:
+                write_peft_lora(_amole_modules(model, j), tmp / "experts" / str(j), cfg.model)
+            manifest["experts"] = [{"id": j, "peft": f"experts/{j}", "modules": [n for n, ids in holds.items() if j in ids],
+                                    "approximation": "shared expert + expert j at weight 1 where held; the personal "
+                                                     "model routes each token"} for j in held]
         elif kind == "mixture":
             layers = [m for m in mixtures(model) if isinstance(m, MixtureOfLoRAMLP)]
             n = layers[0].n_experts
@@ -296,6 +328,12 @@ def export_personal(path: Path, user: str | None, out: Path, method: str | None 
                                       "token and its MLP is not linear, so this is not the personal model"}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return _into(out, write)
+
+
+def _amole_layers(model: nn.Module) -> list:
+    """(path, module) of every AMoLE layer of ``model`` (FedAMoLE)."""
+    from .models.amole import AMoLELinear
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, AMoLELinear)]
 
 
 def _expert_param(model: nn.Module, j: int) -> str:

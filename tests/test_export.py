@@ -236,6 +236,8 @@ def test_layers_without_a_peft_form_and_global_models_export_and_reload(tmp_path
         want, _, _ = rebuild(resolve_method_dir(run, method), "carol")
         assert torch.equal(_logits(model, ids), _logits(want, ids)), method
         base, _ = load_base_model("tiny-llama")
+        if method.startswith("fedamole"):
+            _amole_expert_folders_are_their_forced_routing(model, out, ids)
         mine = _logits(model, ids)[:, -ids.shape[1]:]  # (a soft prompt's virtual tokens come first)
         assert not torch.allclose(mine, _logits(base, ids), atol=1e-4)  # the adapters count
     df = tmp_path / "df"
@@ -248,3 +250,31 @@ def test_layers_without_a_peft_form_and_global_models_export_and_reload(tmp_path
     assert torch.equal(_logits(model, ids), _logits(saved, ids))
     # a method with a model per user needs --user (one line)
     assert main(["export", str(run), "--method", "fedprompt", "--out", str(tmp_path / "x")]) == 2
+
+
+def _amole_expert_folders_are_their_forced_routing(model, out, ids):
+    """Each ``experts/<id>`` PEFT folder of a FedAMoLE export is the comix model whose routers give
+    that expert weight 1 where the client holds it (and nothing else): logits to 1e-5."""
+    from peft import PeftModel
+    from comix.models.amole import AMoLELinear
+    from comix.models.mixture import Routing
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["experts"] and all((out / e["peft"] / "adapter_config.json").exists() for e in man["experts"])
+    layers = [m for m in model.modules() if isinstance(m, AMoLELinear)]
+    for entry in man["experts"][:2]:
+        j = entry["id"]
+
+        def forced(x, m, j=j):
+            held = m.slot_ids[:m.n_active].tolist()
+            idx = torch.full((x.shape[0], 1), held.index(j) if j in held else 0, dtype=torch.long)
+            return Routing(idx, torch.full((x.shape[0], 1), 1.0 if j in held else 0.0), None)
+        for m in layers:
+            m.route = lambda x, m=m: forced(x, m)
+        try:
+            want = _logits(model, ids)
+        finally:
+            for m in layers:
+                del m.route
+        base, _ = load_base_model("tiny-llama")
+        peft = PeftModel.from_pretrained(base, str(out / entry["peft"])).eval()
+        assert torch.allclose(_logits(peft, ids), want, atol=1e-5), j
