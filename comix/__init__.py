@@ -1,6 +1,6 @@
 """comix: collaborative, personalized fine-tuning of on-device LMs with mixtures of LoRA experts."""
 __version__ = "0.1.0"
 
-from .api import compare, export, load_personal, run  # noqa: E402  (the Python face; comix/api.py)
+from .api import compare, export, load_personal, report, run  # noqa: E402  (the Python face; comix/api.py)
 
-__all__ = ["run", "compare", "export", "load_personal", "__version__"]
+__all__ = ["run", "compare", "export", "load_personal", "report", "__version__"]

@@ -114,7 +114,7 @@ def scored_names(results: list[dict], users) -> list[str]:
 def _report(run_dir: Path, console) -> None:
     """The run's report.html / report.md (without the token routing maps, which rebuild every user's
     model: `comix report DIR` adds them). A report that cannot be drawn costs the run nothing."""
-    from .report import write_report
+    from .reporting import write_report
     try:
         page, _ = write_report(run_dir, routing=False)
         console.print(f"report: {page} (with token routing maps: comix report {run_dir})")
@@ -265,3 +265,10 @@ def load_personal(folder, base=None):
     """(model, tokenizer) of an exported user model, exactly as the run left it (comix/personal.py)."""
     from .personal import load_personal as load
     return load(folder, base)
+
+
+def report(run_dir, routing: bool = True) -> tuple[Path, Path]:
+    """report.html and report.md of a run, compare or method folder (comix/reporting.py), with the
+    token routing maps unless ``routing=False``; returns their paths."""
+    from .reporting import write_report
+    return write_report(Path(run_dir), routing=routing)

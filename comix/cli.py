@@ -153,8 +153,8 @@ def cmd_export(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from .report import write_report
-    page, md = write_report(Path(args.dir), routing=not args.no_routing)
+    from .api import report
+    page, md = report(Path(args.dir), routing=not args.no_routing)
     print(f"report: {page} (and {md})")
     return 0
 

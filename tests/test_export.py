@@ -146,6 +146,8 @@ def test_the_python_face_runs_exports_and_reloads(tmp_path):
     out = comix.export(tmp_path / "run", user="alice", out=tmp_path / "alice")
     model, tok = comix.load_personal(out)
     assert tok is not None and model(input_ids=_ids()).logits.shape == (2, 24, 257)
+    page, md = comix.report(tmp_path / "run", routing=False)
+    assert page == tmp_path / "run" / "report.html" and "## Results" in md.read_text()
 
 
 TASK = """task: comix_tiny_choice

@@ -78,7 +78,7 @@ def test_a_folder_that_is_not_a_run_is_one_line(tmp_path, capsys):
 def test_gates_of_modules_with_different_expert_counts_are_drawn(tmp_path):
     """FedAMoLE gives each module its own number of expert slots: the expert-score figure averages
     each slot over the modules that have it (a run's report once failed on this)."""
-    from comix.report import Page, gates_section
+    from comix.reporting import Page, gates_section
     rows = [{"round": r, "user": u, "gates": [[0.5, 0.5], [0.2, 0.3, 0.5], [1.0]]} for r in (1, 2) for u in ("a", "b")]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     page = Page("t")
