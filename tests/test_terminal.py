@@ -28,8 +28,11 @@ def _run_in_terminal(argv, cwd, interrupt_after: str | None = None, timeout=300)
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", ROWS, COLS, 0, 0))
     env = {**os.environ, "COLUMNS": str(COLS), "LINES": str(ROWS), "TERM": "xterm-256color"}
     env.pop("NO_COLOR", None)
+    # SIGINT back to its default: a shell without job control starts background jobs (pytest under
+    # nohup / CI) with it ignored, and Python then never raises KeyboardInterrupt
     proc = subprocess.Popen([sys.executable, "-m", "comix.cli", *argv], stdin=slave, stdout=slave, stderr=slave,
-                            cwd=cwd, env=env, start_new_session=True)
+                            cwd=cwd, env=env, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     os.close(slave)
     raw, sent = b"", False
     deadline = time.time() + timeout

@@ -16,7 +16,7 @@ from ..data import sample_batch
 from ..eval.perplexity import split_token_stats
 from ..eval.tasks import generated_token_accuracy
 from ..files import atomic_write
-from ..runtime import Runtime
+from ..runtime import Runtime, to_cpu
 from .base import ServerContext, Tensors
 from .training import step_on
 
@@ -106,7 +106,7 @@ def expert_load(moe: nn.Module, tokens: torch.Tensor, seq_len: int, batch_size: 
         for b in range(0, len(windows), batch_size):
             x = torch.stack(windows[b:b + batch_size]).long().to(device)
             for logits in moe(input_ids=x, output_router_logits=True).router_logits:  # one per layer
-                top = logits.float().topk(k, dim=-1).indices.reshape(-1).cpu()
+                top = to_cpu(logits.float().topk(k, dim=-1).indices.reshape(-1))
                 counts += torch.bincount(top, minlength=n).double()
     finally:
         moe.train(was_training)

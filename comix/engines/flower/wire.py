@@ -10,6 +10,8 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord
 from flwr.common import Code, FitIns, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
 
+from ...runtime import to_cpu
+
 
 def to_arrays(tensors: dict[str, torch.Tensor]) -> ArrayRecord:
     return ArrayRecord(torch_state_dict={n: t.detach().contiguous() for n, t in tensors.items()})
@@ -30,7 +32,7 @@ def from_json(record: ConfigRecord):
 
 def to_parameters(tensors: dict[str, torch.Tensor]):
     """Flower's legacy Parameters: the tensors as float32 arrays in sorted name order."""
-    return ndarrays_to_parameters([tensors[n].detach().float().cpu().numpy() for n in sorted(tensors)])
+    return ndarrays_to_parameters([to_cpu(tensors[n].detach().float()).numpy() for n in sorted(tensors)])
 
 
 def from_parameters(parameters, names: list[str]) -> dict[str, torch.Tensor]:
