@@ -226,6 +226,16 @@ PLAIN = {"attention_lora", "mlp_lora", "personal_lora", "fusion"}
 MIXTURE = {"attention_lora", "generalist", "specialist", "router"}
 
 
+def _scored_on_server(method_dir: Path) -> bool:
+    """Whether the method's model is the server's global MoE (its class scores a model of the
+    server's, ``Algorithm.server_evaluate``: DeepFusion and its baselines, FedJETS, central-moe)."""
+    from .algorithms import REGISTRY, Algorithm
+    from .specs import split_spec
+    spec = json.loads((method_dir / "results.json").read_text())["method"]
+    cls = REGISTRY[split_spec(spec)[0]][0]
+    return cls.server_evaluate is not Algorithm.server_evaluate and (method_dir / GLOBAL / "config.json").exists()
+
+
 def _into(out: Path, write) -> Path:
     """``write(tmp)`` into a temporary sibling of ``out``, renamed to ``out`` at the end: a failed
     export leaves nothing behind."""
@@ -267,7 +277,7 @@ def export_personal(path: Path, user: str | None, out: Path, method: str | None 
     if out.exists():
         raise ExportError(f"--out {out} exists: choose a new folder (nothing is overwritten)")
     method_dir = resolve_method_dir(path, method)
-    if not (method_dir / "adapters").is_dir():
+    if _scored_on_server(method_dir):
         return _export_global(method_dir, out)
     if not user:
         raise ExportError(f"--user is needed: {method_dir.name} keeps a model per user "
