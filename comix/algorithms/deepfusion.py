@@ -17,10 +17,11 @@ local training of the device's own model (``models/prune.py`` and ``models/base.
 5. Upcycling the K distilled dense models into one MoE (``models/upcycle.py``) and tuning all
    but its experts on public data.
 
-Tokenizers: teachers and the student must read the same token ids (the offline devices are all
-derived from SmolLM2's tokenizer: pruned SmolLM2, or random Llama/GPT-2/Qwen2-style configs with
-its vocabulary); a teacher whose vocabulary differs is refused with one line
-(``check_same_vocabulary``) rather than distilled through a guessed mapping.
+Tokenizers: base, pruned and random devices read the student's token ids; a device of another
+family with its own tokenizer (e.g. ``gemma3-270m``) trains on its own tokenisation of its text,
+and as a teacher its distributions reach the student through FuseLLM / FedMKT's token alignment
+and vocabulary mapping (``models/token_align.py``); its features are pooled over its own tokens
+of the same text (``models/vaa.py``).
 """
 from __future__ import annotations
 
@@ -34,7 +35,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoTokenizer
 
 from ..progress import step as phase_step
 from ..data import sample_batch
@@ -43,6 +43,7 @@ from ..models.base import tokenizer_source
 from ..models.devices import build_device_model, device_layers, device_problems, parse_device_spec
 from ..models.upcycle import expert_params, upcycle
 from ..models.kd import OFABranches, check_same_vocabulary, hidden_width, kd_loss
+from ..models.token_align import CrossTokenizerTeacher, reads_other_tokens, retokenize, tokenizer_at
 from ..models.vaa import ViewAlignedAttention, stage_ends
 from ..runtime import Runtime, offload
 from .base import Algorithm, ClientContext, ClientState, Tensors
@@ -223,6 +224,10 @@ class DeepFusion(Algorithm):
         model.load_state_dict(self._initial[self.device_spec(ctx.client)])  # this device's own start
         gen = batch_generator(state)
         model.train()
+        own_tokens = None  # a device of another family reads its text through its own tokenizer
+        if reads_other_tokens(model, self._tokenizer_dir):
+            own_tokens = retokenize(ctx.data.train, tokenizer_at(self._tokenizer_dir),
+                                    tokenizer_at(model.config.comix_tokenizer))
         params = [(n, p) for n, p in model.named_parameters()]
         opt = make_optimizer(params, ClientState(adapters={}), "model", self.train)  # fresh: one round
         scaler = ctx.runtime.grad_scaler()
@@ -230,12 +235,13 @@ class DeepFusion(Algorithm):
         for step in range(self.train.local_steps):
             for g in opt.param_groups:
                 g["lr"] = expert_lr(step, self.train.local_steps, self.train)
-            x, y = self.train_batch(ctx, gen)
+            x, y = self.train_batch(ctx, gen) if own_tokens is None else \
+                sample_batch(own_tokens, self.train.batch_size, self.train.seq_len, gen)
             loss = lm_loss(model, x, y)
             step_on(loss, [p for _, p in params], opt, self.train.grad_clip, scaler)
             losses.append(loss.detach())
         state.rng = gen.get_state()
-        texts = self.data_texts(ctx.data.train, AutoTokenizer.from_pretrained(self._tokenizer_dir), seed=ctx.client)
+        texts = self.data_texts(ctx.data.train, tokenizer_at(self._tokenizer_dir), seed=ctx.client)
         embedding = self.encoder(ctx.runtime).data_embedding(texts, self.embed_examples, seed=ctx.client)
         upload = {**{f"weights.{n}": p.detach().to("cpu", copy=True) for n, p in params}, "data_embedding": embedding}
         metrics = {"train_loss": torch.stack(losses).mean().item(), "device_model": self.device_spec(ctx.client),
@@ -309,8 +315,6 @@ class DeepFusion(Algorithm):
         for domain in range(self.k):  # Sec. IV-C: one MoE base model per domain
             teachers, proxies[domain] = proxies[domain], []  # freed once distilled
             student = copy.deepcopy(ctx.base).float()
-            for t, _ in teachers:
-                check_same_vocabulary(t, student)
             kd_log.append(self.distill(student, [(t.to(ctx.runtime.device), w) for t, w in teachers], public, gen))
             dense.append(offload(student))
             log.info("%s: domain %d distilled %s", self.name, domain, kd_log[-1])
@@ -352,6 +356,7 @@ class DeepFusion(Algorithm):
             stage_ends(layers, self.stages)  # one line when a model has fewer blocks than stages
         extras = [self._feature_module(student, teacher) for teacher, _ in teachers]
         extras = [e.to(rt.device) if e is not None else None for e in extras]
+        aligners = [self._aligner(teacher, student) for teacher, _ in teachers]
         own = {id(p) for p in student.parameters()}
         feature_params = list({id(p): p for e in extras if e is not None for p in e.parameters()
                                if id(p) not in own}.values())
@@ -359,7 +364,7 @@ class DeepFusion(Algorithm):
         opt = torch.optim.AdamW([{"params": list(student.parameters()), "lr": self.kd_lr},
                                  {"params": feature_params, "lr": self.feature_lr}], weight_decay=0.0)
         scaler = rt.grad_scaler()
-        log = {"ce": [], "fm": [], "kl": []}
+        log, aligned = {"ce": [], "fm": [], "kl": []}, []
         for j in range(self.kd_steps):
             phase_step("distillation steps", j, self.kd_steps)
             x, y = sample_batch(public, self.kd_batch, t.seq_len, gen)
@@ -367,11 +372,21 @@ class DeepFusion(Algorithm):
             with rt.autocast():
                 s_out = student(input_ids=x, output_hidden_states=True)
                 total = s_out.logits.new_zeros((), dtype=torch.float32)
-                for (teacher, w), extra in zip(teachers, extras):
+                for (teacher, w), extra, aligner in zip(teachers, extras, aligners):
+                    dist = mask = None
                     with torch.no_grad():
-                        t_out = teacher(input_ids=x, output_hidden_states=True)
+                        if aligner is None:
+                            t_out = teacher(input_ids=x, output_hidden_states=True)
+                        else:  # another tokenizer: the same text in its tokens, its targets carried over
+                            tx, mask, rows = aligner.teacher_inputs(x.cpu(), y.cpu())
+                            mask = mask.to(rt.device)
+                            t_out = teacher(input_ids=tx.to(rt.device), attention_mask=mask, output_hidden_states=True)
+                            dist, share = aligner.targets(x, y, t_out.logits, rows, s_out.logits.shape[-1],
+                                                          self.temperature)
+                            aligned.append(share)
                     terms = kd_loss(s_out, t_out, y, extra if self.feature == "vaa" else None, self.stages,
-                                    self.alpha, self.beta, self.temperature, extra if self.feature == "ofa" else None)
+                                    self.alpha, self.beta, self.temperature, extra if self.feature == "ofa" else None,
+                                    teacher_dist=dist, teacher_mask=mask)
                     total = total + w * terms["total"]
                     for k in log:
                         log[k].append(w * float(terms[k].detach()))
@@ -379,8 +394,18 @@ class DeepFusion(Algorithm):
         student.eval().requires_grad_(False)
         per_step = {k: [round(sum(v[i * len(teachers):(i + 1) * len(teachers)]), 4) for i in range(self.kd_steps)]
                     for k, v in log.items()}
-        return {**{k: round(sum(v) / max(1, self.kd_steps), 4) for k, v in log.items()},
-                "steps": per_step}
+        out = {**{k: round(sum(v) / max(1, self.kd_steps), 4) for k, v in log.items()}, "steps": per_step}
+        if aligned:  # the share of student steps that got a cross-tokenizer teacher's distribution
+            out["aligned_share"] = round(sum(aligned) / len(aligned), 4)
+        return out
+
+    def _aligner(self, teacher: nn.Module, student: nn.Module) -> CrossTokenizerTeacher | None:
+        """None for a teacher that reads the student's token ids (checked), else its alignment."""
+        if not reads_other_tokens(teacher, tokenizer_source(student)):
+            check_same_vocabulary(teacher, student)
+            return None
+        return CrossTokenizerTeacher(tokenizer_at(teacher.config.comix_tokenizer),
+                                     tokenizer_at(tokenizer_source(student)))
 
     def tune(self, moe: nn.Module, public: torch.Tensor, gen: torch.Generator) -> dict:
         """Sec. IV-D: ``tune_steps`` AdamW steps on public batches of everything but the FFN

