@@ -518,14 +518,18 @@ def test_device_cache_reuses_a_device_phase_only_when_every_input_matches(tmp_pa
 
 def test_recipes_give_fedjets_devices_the_one_shot_devices_step_budget():
     """Fair comparison (Fig. 8-9): a FedJETS device takes, over its rounds, as many local steps as
-    a DeepFusion device takes once; every recipe compares all five methods."""
+    a DeepFusion device takes once; every recipe compares all five methods (the two-family recipe,
+    sized for a CPU, only the one-shot KD methods)."""
     from pathlib import Path
 
     from comix.config import load_config
     from comix.specs import spec_config, split_spec
     recipes = sorted((Path(__file__).parents[1] / "configs" / "deepfusion").glob("*.yaml"))
-    assert len(recipes) == 11
-    for path in recipes:
+    assert len(recipes) == 12
+    gemma = [p for p in recipes if "-gemma-" in p.name]
+    assert [p.name for p in gemma] == ["cpu-qa-open-gemma-n4.yaml"]
+    assert set(load_config(str(gemma[0])).methods) == {"deepfusion", "deepfusion-ce", "fedkmt"}
+    for path in (p for p in recipes if p not in gemma):
         cfg = load_config(str(path))
         assert {split_spec(m)[0] for m in cfg.methods} == {"deepfusion", "deepfusion-ce", "fedkmt", "ofa-kd", "fedjets",
                                                            "central-moe"}

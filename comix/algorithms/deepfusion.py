@@ -45,7 +45,7 @@ from ..models.upcycle import expert_params, upcycle
 from ..models.kd import OFABranches, check_same_vocabulary, hidden_width, kd_loss
 from ..models.token_align import CrossTokenizerTeacher, reads_other_tokens, retokenize, tokenizer_at
 from ..models.vaa import ViewAlignedAttention, stage_ends
-from ..runtime import Runtime, offload
+from ..runtime import Runtime, offload, to_cpu
 from .base import Algorithm, ClientContext, ClientState, Tensors
 from .training import batch_generator, expert_lr, lm_loss, make_optimizer, step_on
 from .global_moe import load_device_upload, save_device_upload, save_moe, score_on_server, train_moe_on_public
@@ -378,7 +378,7 @@ class DeepFusion(Algorithm):
                         if aligner is None:
                             t_out = teacher(input_ids=x, output_hidden_states=True)
                         else:  # another tokenizer: the same text in its tokens, its targets carried over
-                            tx, mask, rows = aligner.teacher_inputs(x.cpu(), y.cpu())
+                            tx, mask, rows = aligner.teacher_inputs(to_cpu(x), to_cpu(y))
                             mask = mask.to(rt.device)
                             t_out = teacher(input_ids=tx.to(rt.device), attention_mask=mask, output_hidden_states=True)
                             dist, share = aligner.targets(x, y, t_out.logits, rows, s_out.logits.shape[-1],

@@ -38,6 +38,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..runtime import to_cpu
+
 TOP_K = 10  # FuseLLM's --top_k_logits and FedMKT's top_k_logits_keep default
 
 
@@ -176,15 +178,14 @@ class CrossTokenizerTeacher:
         """The teacher's next-token distribution on every student step (B, T, ``vocab``: the
         student's logits' width), and the share of steps that carry it (the rest are one-hot on
         the student's token). ``teacher_rows``: ``teacher_inputs``' whole windows."""
-        x, y = x.cpu(), y.cpu()
+        x, y = to_cpu(x), to_cpu(y)
         b, t = y.shape
         s_text = self.mapping.student_text
         idx = y[..., None].repeat(1, 1, self.top_k)
         prob = torch.zeros(b, t, self.top_k)
         prob[..., 0] = 1.0
         top_logits, top_ids = teacher_logits.float().topk(self.top_k, dim=-1)
-        top_p = F.softmax(top_logits / temperature, -1).cpu()
-        top_ids = top_ids.cpu()
+        top_p, top_ids = to_cpu(F.softmax(top_logits / temperature, -1)), to_cpu(top_ids)
         aligned = 0
         for r in range(b):
             # the whole windows are aligned (both start at the text's first character); student
