@@ -32,7 +32,6 @@ Documented choices where this differs from the authors' code:
 from __future__ import annotations
 
 import functools
-import json
 
 import numpy as np
 import torch
@@ -58,18 +57,14 @@ def reads_other_tokens(model, tokenizer: str) -> bool:
 
 
 @functools.lru_cache(maxsize=8)
-def _texts(source: str, tokenizer) -> tuple[str, ...]:
+def token_texts(tokenizer) -> tuple[str, ...]:
+    """The text of every token id of ``tokenizer`` (a fast tokenizer), read through its decoder
+    alone (module docstring); cached per tokenizer."""
     decoder = tokenizer.backend_tokenizer.decoder
     tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
     if decoder is None:
         return tuple(tokens)
     return tuple(decoder.decode([t]) if t is not None else "" for t in tokens)
-
-
-def token_texts(tokenizer) -> tuple[str, ...]:
-    """The text of every token id of ``tokenizer`` (a fast tokenizer), read through its decoder
-    alone (module docstring); cached per tokenizer."""
-    return _texts(json.dumps([tokenizer.name_or_path, len(tokenizer)]), tokenizer)
 
 
 def dtw_alignment(a: list[str], b: list[str]) -> list[list[int]]:
@@ -134,6 +129,13 @@ class VocabMapping:
         return torch.tensor([self(int(i)) for i in ids.reshape(-1).tolist()], dtype=torch.long).reshape(ids.shape)
 
 
+@functools.lru_cache(maxsize=8)
+def vocab_mapping(teacher_tokenizer, student_tokenizer) -> VocabMapping:
+    """One mapping per tokenizer pair and process: its MinED look-ups carry over from one domain's
+    (and one method's) distillation to the next."""
+    return VocabMapping(teacher_tokenizer, student_tokenizer)
+
+
 def retokenize(tokens: torch.Tensor, source_tokenizer, target_tokenizer, chunk: int = 2048) -> torch.Tensor:
     """A token stream of ``source_tokenizer`` as ``target_tokenizer`` reads its text: decoded and
     re-encoded in chunks of ``chunk`` tokens (a word cut at a chunk boundary is read as two)."""
@@ -150,7 +152,7 @@ class CrossTokenizerTeacher:
 
     def __init__(self, teacher_tokenizer, student_tokenizer, top_k: int = TOP_K):
         self.teacher_tok, self.student_tok, self.top_k = teacher_tokenizer, student_tokenizer, top_k
-        self.mapping = VocabMapping(teacher_tokenizer, student_tokenizer)
+        self.mapping = vocab_mapping(teacher_tokenizer, student_tokenizer)
         pad = teacher_tokenizer.pad_token_id
         self.pad = pad if pad is not None else (teacher_tokenizer.eos_token_id or 0)
 
