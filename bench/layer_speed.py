@@ -1,6 +1,7 @@
 """Speed of the mixture-of-LoRA MLP against one LoRA of the same rank (forward + backward).
 
-  python bench/layer_speed.py                  # batch 8 x 128 on the CPU, blocks and whole model
+  python bench/layer_speed.py                  # CPU: blocks (8 x 128 rows), whole model (2 x 128) at n = 2, 8
+  python bench/layer_speed.py --full           # whole model at 8 x 128, n = 2, 4, 8 (~20 min, ~15 GB)
   python bench/layer_speed.py --quick          # blocks only, fewer repeats
   python bench/layer_speed.py --device cuda --precision bf16
 
@@ -14,8 +15,18 @@ ratios are trustworthy when that is below 5 %).
     mixture (top-2, n = 2, 4, 8) / one LoRA: compiled (the fused form with its d_ff-sized slot
     work through torch.compile, ``compile=true``), fused (eager) and naive;
 (b) a whole SmolLM2-135M training step (forward, backward, AdamW) with the mixture on every MLP
-    (n = 2, 4, 8, top-2; compiled and eager fused) / the same step with plain LoRA, and the same ratios on GPT-2-124M
-    shapes (random weights; GPT-2 itself is not available offline).
+    (top-2; compiled and eager fused) / the same step with plain LoRA, and the same ratios on
+    GPT-2-124M shapes (random weights; GPT-2 itself is not available offline). By default a batch
+    of 2 x 128 at n = 2, 8; --full: 8 x 128 at n = 2, 4, 8.
+
+Footprint (issue J: a bench fits the 24 GB, 2-core machine it runs on). One model's configurations
+are in memory at a time and share its frozen weights, but their steps interleave in one glibc
+heap, and each configuration's freed activations are the wrong sizes for the next one's: the heap
+grows to ~4x one step's live memory (SmolLM2 at 8 x 128: 14.7 GB resident for ~4 GB live, measured
+with MALLOC_MMAP_THRESHOLD_=65536, which returns every large block at once but makes each step
+page-fault its activations in anew, ~50 % slower: no fit for timing). So the default whole-model
+batch is 2 x 128 (4.8 GB peak); --full keeps 8 x 128 for a machine with ~16 GB to spare. Wall
+time and peak RSS are printed at the end; docs/benchmarks.md has the figures.
 """
 from __future__ import annotations
 
@@ -110,7 +121,7 @@ def block_steps(runtime: Runtime, batch: int, seq: int) -> dict:
 MODELS = ("SmolLM2-135M step", "GPT-2-124M step")
 
 
-def model_steps(label: str, runtime: Runtime, batch: int, seq: int) -> dict:
+def model_steps(label: str, runtime: Runtime, batch: int, seq: int, ns: tuple[int, ...]) -> dict:
     """One whole model's configurations; they share its frozen weights (as ClientModels does)."""
     if "Smol" in label:
         base, vocab = load_base_model("smollm2-135m")[0], 49152
@@ -125,7 +136,7 @@ def model_steps(label: str, runtime: Runtime, batch: int, seq: int) -> dict:
     steps = {}
     for key, adapter in (("lora", AdapterConfig(mlp="lora")),
                          *((f"n={n} {kind}", AdapterConfig(n_experts=n, top_k=2))
-                           for n in (2, 4, 8) for kind in ("compiled", "fused"))):
+                           for n in ns for kind in ("compiled", "fused"))):
         model = inject_adapters(copy.deepcopy(base, memo=dict(frozen)), adapter).to(runtime.device).train()
         set_compiled(model, key.endswith("compiled"))
         steps[(label, key)] = train_step(model, ids, runtime, loss=ce)
@@ -151,19 +162,23 @@ def report(runs: list[dict[tuple, list[float]]]) -> None:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="blocks only, fewer repeats")
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--full", action="store_true", help="whole model at n = 2, 4, 8 with 8 repeats (~20 min)")
+    ap.add_argument("--batch", type=int, default=8, help="blocks: batch x seq rows")
+    ap.add_argument("--model-batch", type=int, default=0, help="whole-model step's batch (default 2, 8 with --full)")
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--reps", type=int, default=0, help="timed calls per configuration (default 10 blocks, 8 models)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
     args = ap.parse_args()
     runtime = resolve(args.device, args.precision)
+    model_batch = args.model_batch or (8 if args.full else 2)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {runtime.device}, {runtime.precision}, "
-          f"batch {args.batch}x{args.seq}")
+          f"blocks {args.batch}x{args.seq}, whole model {model_batch}x{args.seq}")
     steps = block_steps(runtime, args.batch, args.seq)
     runs = [interleaved(steps, args.reps or (4 if args.quick else 10), runtime) for _ in range(2)]
+    del steps
     for label in () if args.quick else MODELS:  # one model at a time: its configurations in memory together
-        models = model_steps(label, runtime, args.batch, args.seq)
+        models = model_steps(label, runtime, model_batch, args.seq, (2, 4, 8) if args.full else (2, 8))
         for run in runs:
             run.update(interleaved(models, args.reps or 8, runtime, warmup=1))
         del models
