@@ -10,7 +10,7 @@
 * ``compile``: run the d_ff-sized per-slot work of every mixture MLP through ``torch.compile``
   (``models/mixture.py``: one fused kernel per pass instead of six); ``auto`` = on CUDA only,
   because on the CPU each new process and shape first pays some seconds of compilation (worth
-  it for long runs: ``compile=true``; README "Speed of the mixture").
+  it for long runs: ``compile=true``; docs/benchmarks.md "Speed of the mixture").
 Client states, uploads and payloads always live on the CPU between turns: device memory holds
 the shared frozen base and the one client that is training.
 """

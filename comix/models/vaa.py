@@ -18,7 +18,7 @@ the sum (LLM hidden states grow with depth). The student's patches are normalise
 before C_j (second documented choice): raw residual-stream features carry a few outlier
 dimensions (SmolLM2's reach the hundreds), so without it L_FM started at 56-71 against CE ~ 3 and
 its gradient, scaled by those outliers, dominated eq. 11 for a whole CPU-scale budget (measured,
-README "DeepFusion"); normalised, L_FM starts near J and VAA learns the mapping instead.
+docs/deepfusion.md); normalised, L_FM starts near J and VAA learns the mapping instead.
 Defaults (paper silent): J = 4 stages, P_q = 64 queries, d = 256, 4 heads.
 """
 from __future__ import annotations
