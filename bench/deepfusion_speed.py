@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from layer_speed import interleaved, paired_ratio  # noqa: E402
 
+from comix.data import calibration_docs  # noqa: E402
 from comix.models.kd import kd_loss  # noqa: E402
 from comix.models import load_base_model  # noqa: E402
 from comix.models.devices import build_device_model  # noqa: E402
@@ -72,7 +73,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {runtime.device}, {runtime.precision}")
     base = load_base_model("smollm2-135m")[0]
     # (a)
-    teacher = build_device_model("prune:20:1536", base).to(runtime.device).eval().requires_grad_(False)
+    teacher = build_device_model("prune:20:1536", base, calibration_docs()).to(runtime.device).eval().requires_grad_(False)
     steps = {}
     for key in ("logits", "vaa"):
         student = build_device_model("base", base).to(runtime.device).train()
@@ -85,7 +86,7 @@ def main() -> None:
               "(target <= 1.2)")
     del steps
     # (b) and (c)
-    sizes = {spec: n_params(build_device_model(spec, base)) for spec in DEVICES}
+    sizes = {spec: n_params(build_device_model(spec, base, calibration_docs())) for spec in DEVICES}
     from transformers import MixtralForCausalLM
     with torch.device("meta"):
         compact_moe = MixtralForCausalLM(moe_config(base.config, 2, 2))
@@ -103,7 +104,7 @@ def main() -> None:
     for spec, n in {**sizes, "FedJETS compact MoE (2 of 4 experts)": compact}.items():
         line = f"    {spec}: {n / 1e6:.1f} M parameters, {16 * n / 2**20:,.0f} MB"
         if runtime.device.type == "cuda" and not spec.startswith("FedJETS"):
-            model = build_device_model(spec, base).to(runtime.device)
+            model = build_device_model(spec, base, calibration_docs()).to(runtime.device)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
             torch.cuda.reset_peak_memory_stats(runtime.device)
             x = torch.randint(0, base.config.vocab_size, (args.batch, args.seq), device=runtime.device)

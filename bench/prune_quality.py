@@ -19,7 +19,7 @@ import math
 import torch
 from transformers import AutoTokenizer
 
-from comix.data.corpora import builtin
+from comix.data.corpora import builtin, calibration_docs
 from comix.models import load_base_model
 import comix.models.prune as P  # the module: its criteria are swapped below
 from comix.models.base import tokenizer_source
@@ -41,7 +41,7 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(tokenizer_source(base))
     ids = tok("\n".join(builtin("topics")["docs"][:80]))["input_ids"][:16 * 256]
     ids = torch.tensor(ids).view(16, 256)
-    calibration = P.calibration_ids(tok)
+    calibration = P.calibration_ids(tok, calibration_docs())
 
     @torch.no_grad()
     def loss(model) -> float:

@@ -10,6 +10,12 @@ from pathlib import Path
 from typing import Callable
 
 
+def cache_dir() -> Path:
+    """comix's cache (converted models, tokenised text, the DeepFusion device cache): ``$COMIX_CACHE``,
+    else ``~/.cache/comix``."""
+    return Path(os.environ.get("COMIX_CACHE", Path.home() / ".cache" / "comix"))
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)

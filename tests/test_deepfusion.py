@@ -176,11 +176,14 @@ def test_width_pruning_equals_the_original_with_the_dropped_channels_held_at_zer
 
 def test_pruned_devices_of_one_spec_start_from_one_model():
     """Every device (and the server) builds a spec's model alike: calibration is fixed text."""
+    from comix.data import calibration_docs
     from comix.models import load_base_model
     from comix.models.devices import build_device_model
     base = load_base_model("tiny-llama")[0]
-    a, b = build_device_model("prune:1:16", base), build_device_model("prune:1:16", base)
+    a, b = (build_device_model("prune:1:16", base, calibration_docs()) for _ in range(2))
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    with pytest.raises(ValueError, match="needs calibration text"):  # models never read data themselves
+        build_device_model("prune:1:16", base)
 
 
 def test_cosine_kmeans_groups_clearly_separated_embeddings():

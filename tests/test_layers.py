@@ -1,5 +1,7 @@
-"""Data flows one way (DESIGN.md): no comix module imports, directly or through others, a module
-that imports it back (lazy imports inside functions count too)."""
+"""Data flows one way (DESIGN.md: config -> data + model -> algorithm x engine -> results -> report):
+every comix module imports only modules of a lower layer (or of its own package), and no module
+imports, directly or through others, one that imports it back (lazy imports inside functions count
+too)."""
 import ast
 import pathlib
 
@@ -76,3 +78,53 @@ def test_the_cycle_finder_finds_a_planted_cycle():
     graph = _imports(_modules())
     graph["comix.specs"].add("comix.engines.flower.client_app")  # as if specs imported the Flower app
     assert ["comix.engines.flower.client_app", "comix.specs"] in _cycles(graph)
+
+
+# Lowest first. ``data``, ``models`` and ``eval`` are peers that never import each other (the pruning
+# calibration text reaches models/prune.py as an argument, from the algorithm). ``config`` sits above
+# the algorithms although the run's data flow starts at it: it composes the config each layer
+# declares (SplitConfig, LoRAConfig, TrainConfig, PrivacyConfig), as PEFT's model composes its
+# tuners' configs. ``comix`` is the package's __init__ (the Python face, over ``api``).
+LAYERS = [
+    {"files", "runtime", "progress", "privacy"},
+    {"data", "models", "eval"},
+    {"algorithms"},
+    {"config"},
+    {"specs"},
+    {"engines"},
+    {"runner", "compare", "personal"},
+    {"reporting"},
+    {"api", "harness"},
+    {"comix"},
+    {"cli"},
+]
+
+
+def _layer_of(module: str) -> tuple[str, int]:
+    top = module.split(".")[1] if "." in module else "comix"
+    ranks = [i for i, layer in enumerate(LAYERS) if top in layer]
+    assert ranks, f"{module}: add its package {top!r} to LAYERS"
+    return top, ranks[0]
+
+
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    out = []
+    for a, targets in graph.items():
+        (pa, ra) = _layer_of(a)
+        for b in targets:
+            (pb, rb) = _layer_of(b)
+            if pa != pb and rb >= ra:
+                out.append(f"{a} (layer {ra}) imports {b} (layer {rb})")
+    return sorted(out)
+
+
+def test_no_module_imports_a_module_of_its_own_or_a_higher_layer():
+    assert _upward(_imports(_modules())) == []
+
+
+def test_the_layer_check_finds_a_planted_upward_import():
+    graph = _imports(_modules())
+    graph["comix.models.prune"].add("comix.data.corpora")  # as pruning once read its text itself
+    graph["comix.algorithms.fedavg"].add("comix.engines.device")
+    assert _upward(graph) == ["comix.algorithms.fedavg (layer 2) imports comix.engines.device (layer 5)",
+                              "comix.models.prune (layer 1) imports comix.data.corpora (layer 1)"]

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..progress import step as phase_step
-from ..data import sample_batch
+from ..data import calibration_docs, sample_batch
 from ..data.embed import MINILM, SentenceEncoder
 from ..models.base import tokenizer_source
 from ..models.devices import build_device_model, device_layers, device_problems, parse_device_spec
@@ -191,7 +191,7 @@ class DeepFusion(Algorithm):
                 if n is not None and self.stages > n]
 
     def build_device_model(self, spec: str, base: nn.Module) -> nn.Module:
-        model = build_device_model(spec, base)
+        model = build_device_model(spec, base, calibration_docs())
         # what a device needs of the base on any engine: its own start and the shared tokenizer
         self._initial[spec] = {n: t.detach().to("cpu", copy=True) for n, t in model.state_dict().items()}
         self._tokenizer_dir = tokenizer_source(base)
@@ -285,7 +285,7 @@ class DeepFusion(Algorithm):
     def _device_models(self, uploads: dict[int, Tensors]) -> dict[int, nn.Module]:
         out = {}
         for c, up in uploads.items():
-            model = build_device_model(self.device_spec(c), self.server.base)
+            model = build_device_model(self.device_spec(c), self.server.base, calibration_docs())
             missing = model.load_state_dict({n[8:]: t for n, t in up.items() if n.startswith("weights.")}, strict=False)
             if missing.missing_keys or missing.unexpected_keys:  # only tied weights may be absent
                 tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - dict(model.named_parameters()).keys()

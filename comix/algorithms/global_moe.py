@@ -114,7 +114,7 @@ def expert_load(moe: nn.Module, tokens: torch.Tensor, seq_len: int, batch_size: 
 
 
 def device_cache_path(key: str):
-    from ..models.base import cache_dir
+    from ..files import cache_dir
     return cache_dir() / "deepfusion-devices" / f"{key}.safetensors"
 
 

@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import functools
 import json
 import lzma
 import re
@@ -18,6 +19,9 @@ from pathlib import Path
 BUILTIN_DIR = Path(__file__).parent / "builtin"
 BUILTIN = {"multilingual": ("de", "fr", "it", "nl"), "topics": ("code", "docs", "literature", "lexicon")}
 Corpus = dict[str, list[str]]
+# The text that pruned device models are calibrated on (models/prune.py's module docstring): the
+# built-in literature, public-domain English books in none of the QA cases' domains.
+CALIBRATION = ("topics", "literature")
 
 
 def builtin(name: str) -> Corpus:
@@ -31,6 +35,13 @@ def builtin(name: str) -> Corpus:
         with lzma.open(path, "rt", encoding="utf-8") as fh:
             out[cat] = [json.loads(line)["text"] for line in fh]
     return out
+
+
+@functools.lru_cache(maxsize=1)
+def calibration_docs() -> tuple[str, ...]:
+    """The pruning calibration documents, in the corpus's fixed order (read once per process: the
+    server rebuilds every uploaded device's model)."""
+    return tuple(builtin(CALIBRATION[0])[CALIBRATION[1]])
 
 
 # -- online loaders (datasets) ------------------------------------------------------------------

@@ -105,7 +105,7 @@ class UserData:
 
 
 def _cache_path(key: str):
-    from ..models.base import cache_dir
+    from ..files import cache_dir
     return cache_dir() / "tokens" / f"{key}.pt"
 
 

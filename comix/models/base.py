@@ -22,12 +22,10 @@ from pathlib import Path
 
 import torch
 
+from ..files import cache_dir
+
 TINY = ("tiny-llama", "tiny-gpt2", "tiny-qwen2")
 OFFLINE = ("smollm2-135m", "gemma3-270m")
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("COMIX_CACHE", Path.home() / ".cache" / "comix"))
 
 
 def byte_tokenizer():

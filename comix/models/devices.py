@@ -110,24 +110,27 @@ def _pretrained(spec: str) -> nn.Module:
 
 
 @functools.lru_cache(maxsize=4)
-def _calibration(tokenizer_dir: str) -> torch.Tensor:
+def _calibration(tokenizer_dir: str, docs: tuple[str, ...]) -> torch.Tensor:
     """The pruning calibration batch, tokenised once per process (the server rebuilds every
     uploaded device's model)."""
     from transformers import AutoTokenizer
 
     from .prune import calibration_ids
-    return calibration_ids(AutoTokenizer.from_pretrained(tokenizer_dir))
+    return calibration_ids(AutoTokenizer.from_pretrained(tokenizer_dir), docs)
 
 
-def build_device_model(spec: str, base: nn.Module) -> nn.Module:
-    """A new fp32 model for ``spec`` (weights independent of ``base``'s: devices train it fully)."""
+def build_device_model(spec: str, base: nn.Module, calibration: tuple[str, ...] = ()) -> nn.Module:
+    """A new fp32 model for ``spec`` (weights independent of ``base``'s: devices train it fully).
+    ``calibration``: the documents a ``prune`` spec is calibrated on (``data.calibration_docs()``)."""
     kind, nums = parse_device_spec(spec)
+    if kind == "prune" and not calibration:
+        raise ValueError(f"{spec!r}: a pruned device needs calibration text (data.calibration_docs())")
     if kind == "base":
         model = copy.deepcopy(base).float()
     elif kind == "prune":
         from .base import tokenizer_source
         from .prune import prune
-        model = prune(copy.deepcopy(base).float(), _calibration(tokenizer_source(base)), layers=nums[0],
+        model = prune(copy.deepcopy(base).float(), _calibration(tokenizer_source(base), tuple(calibration)), layers=nums[0],
                       intermediate=nums[1], hidden=nums[2] if len(nums) > 2 else None)
     elif kind.startswith("random-"):
         model = _random_model(kind[7:], nums[0], nums[1], base, seed=zlib.crc32(spec.encode()))

@@ -2,7 +2,7 @@
 heterogeneous devices, issue E: "smaller depth/width variants derived from SmolLM2").
 
 Both criteria read one forward pass of a small, fixed *calibration* batch (as ShortGPT and
-LLM-Pruner do): ``calibration_ids`` = 8 windows of 256 tokens of the built-in literature corpus
+LLM-Pruner do): ``calibration_ids`` = 8 windows of 256 tokens of the built-in literature corpus (data/corpora.py)
 (public-domain English books), a text in none of the QA cases' domains, the same for every
 device and engine so that devices of one spec start from one model (their weight average, the
 proxy teacher, stays meaningful).
@@ -35,18 +35,17 @@ The tokenizer is kept (every device reads the base's token ids). The result is a
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
-CALIBRATION = ("topics", "literature")  # built-in corpus and category (data/corpora.py)
 
-
-def calibration_ids(tokenizer, windows: int = 8, tokens: int = 256) -> torch.Tensor:
-    """(windows, tokens) token ids of the built-in calibration text (module docstring)."""
-    from ..data.corpora import builtin
-    docs, ids = builtin(CALIBRATION[0])[CALIBRATION[1]], []
+def calibration_ids(tokenizer, docs: Sequence[str], windows: int = 8, tokens: int = 256) -> torch.Tensor:
+    """(windows, tokens) token ids of the calibration text ``docs`` (module docstring: the caller
+    passes ``data.calibration_docs()``, so that models never reach into data)."""
+    ids = []
     for doc in docs:  # the corpus's first documents, in its fixed order
         ids.extend(tokenizer(doc)["input_ids"])
         if len(ids) >= windows * tokens:
