@@ -130,8 +130,8 @@ def build_device_model(spec: str, base: nn.Module, calibration: tuple[str, ...] 
     elif kind == "prune":
         from .base import tokenizer_source
         from .prune import prune
-        model = prune(copy.deepcopy(base).float(), _calibration(tokenizer_source(base), tuple(calibration)), layers=nums[0],
-                      intermediate=nums[1], hidden=nums[2] if len(nums) > 2 else None)
+        model = prune(copy.deepcopy(base).float(), _calibration(tokenizer_source(base), tuple(calibration)),
+                      layers=nums[0], intermediate=nums[1], hidden=nums[2] if len(nums) > 2 else None)
     elif kind.startswith("random-"):
         model = _random_model(kind[7:], nums[0], nums[1], base, seed=zlib.crc32(spec.encode()))
     else:
