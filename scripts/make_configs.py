@@ -104,6 +104,9 @@ FEDAMOLE_SETTINGS = {  # name -> (corpus, data, what it stands for)
     **{f"snli-dir{a}": ("snli", dict(partition="dirichlet", clients=10, alpha=a), f"SNLI, Dirichlet({a})")
        for a in (0.1, 1.0, 100.0)},
 }
+# classification is scored by three label losses per example, not by generation: 30 test examples
+# per client cost little and make one example 3.3 points of a client's accuracy instead of 20
+RELATIONS_CPU_DATA = dict(test_examples=30)
 RELATIONS_PROMPT = ("Based on the two words, decide how they are related. Answer 'Synonym' if they mean the same, "
                     "'Antonym' if they are opposites, or 'Unrelated' otherwise.")
 
@@ -118,7 +121,8 @@ def fedamole_configs() -> None:
                 cfg = dict(model="meta-llama/Llama-3.2-1B" if scale == "paper" and corpus not in
                            ("instructions", "relations") else "smollm2-135m", corpus=corpus, methods=methods,
                            seeds=[42, 62, 82], **({"precision": base["precision"]} if "precision" in base else {}),
-                           data={**data, **base["data"]}, train=base["train"])
+                           data={**data, **base["data"], **(RELATIONS_CPU_DATA if scale == "cpu" and corpus == "relations"
+                                                            else {})}, train=base["train"])
                 init = {"snli": SOFT_PROMPT_SNLI, "relations": RELATIONS_PROMPT}.get(corpus)
                 if init and table == "table1":
                     cfg["fedprompt"] = {"init_text": init}

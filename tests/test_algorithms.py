@@ -72,7 +72,7 @@ EXPECTED_SHARED = {
     "fedamole-vanilla-random": {"amole_shared", "amole_router", "domain_expert"},
     "fedamole-r": {"amole_shared", "amole_router", "domain_expert"},
     "fedmole": {"amole_shared", "amole_router", "domain_expert"},
-    "fedamole-a": {"amole_shared", "amole_router", "domain_expert"},
+    "fedamole-a": {"amole_shared", "amole_router", "domain_expert", "embedding"},  # = fedamole-vanilla
     "fedamole-s": {"amole_router", "domain_expert", "embedding"},
     # the soft prompt only (PEFT's prompt encoder); never a base weight
     "fedprompt": {"prompt"}, "fedprompt-ft": {"prompt"}, "fedptuning": {"prompt"}, "fedptuning-ft": {"prompt"},

@@ -47,7 +47,9 @@ FEDAMOLE_VARIANTS = {  # Table III's ablations: the journal's names, then the ar
     "fedamole-vanilla": dict(router="vanilla"),                            # "FedAMoLE (vanilla router)"
     "fedamole-vanilla-random": dict(router="vanilla", assignment="random"),  # "(vanilla router, random)"
     "fedamole-r": dict(assignment="random"),                               # arXiv: = FedAMoLE (random)
-    "fedamole-a": dict(router="vanilla", assignment="random"),             # arXiv: = (vanilla router, random)
+    # arXiv Sec. 5.5: "replaces the AMoLE module with a vanilla MoLE" and nothing else, so RSEA
+    # stays; the journal's "FedAMoLE (vanilla router)", the same 86.90 in both papers' tables
+    "fedamole-a": dict(router="vanilla"),
     "fedmole": dict(assignment="fixed"),                                   # arXiv: round 1's assignment kept
     "fedamole-s": dict(shared=False),                                      # arXiv: no shared expert
     "fedamole-h": dict(homogeneous=True),  # in neither table: the authors' --homo_arch (optimize.py)

@@ -25,8 +25,8 @@ expert the next round puts there.
 Variants (journal Table III names; arXiv Table 3 names as aliases, algorithms/__init__.py):
 ``assignment``: ``rsea`` (FedAMoLE), ``random`` (a new random assignment every round:
 "FedAMoLE (random)" = FedAMoLE-R), ``fixed`` (round 1's random assignment kept: FedMoLE);
-``router="vanilla"``: "FedAMoLE (vanilla router)" with RSEA, "(vanilla router, random)" =
-FedAMoLE-A with random assignment; ``shared=False`` FedAMoLE-S (models/amole.py);
+``router="vanilla"``: "FedAMoLE (vanilla router)" = FedAMoLE-A (RSEA kept: arXiv Sec. 5.5 replaces
+only the module), and with ``assignment="random"`` "(vanilla router, random)"; ``shared=False`` FedAMoLE-S (models/amole.py);
 ``homogeneous=True`` FedAMoLE-H (every client E * k_c / N experts per module; in neither
 paper's tables: the authors' ``--homo_arch``, optimize.py). A vanilla router has no token or
 expert embeddings, and the papers do not say what RSEA scores with it; here a client uploads
