@@ -2,6 +2,7 @@
 
     import comix
     results = comix.run("configs/small/table1-multilingual.yaml", methods=["fedavg"], train={"rounds": 2})
+    print(results.run_dir)  # the run's folder
     grid = comix.compare(methods=["local", "fedavg"], seeds=[42, 45])
     model, tokenizer = comix.load_personal(comix.export("runs/x", user="de", out="de-model", method="fedavg"))
 
@@ -39,7 +40,7 @@ def overrides_of(overrides=(), settings: dict | None = None) -> list[str]:
 
 def results_table(results: list[dict], users: list[str]) -> str:
     """Each method's test metric per user and its mean over users (``compare.user_table``'s layout)."""
-    from .compare import metric_of, user_table
+    from .comparison import metric_of, user_table
     cells = {}
     for r in results:
         key, mean = metric_of(r)
@@ -50,7 +51,7 @@ def results_table(results: list[dict], users: list[str]) -> str:
 
 def results_summary(results: list[dict]) -> str:
     """What the console shows for many users: per method the mean, min and max over users."""
-    from .compare import metric_of
+    from .comparison import metric_of
     rows = ["| method | users | mean | min | max |", "|---|---|---|---|---|"]
     for r in results:
         key, mean = metric_of(r)
@@ -58,6 +59,23 @@ def results_summary(results: list[dict]) -> str:
         spread = f"{min(xs):.2f} | {max(xs):.2f}" if xs else "- | -"
         rows.append(f"| {r['method']} | {len(xs)} | {mean:.2f} | {spread} |")
     return "\n".join(rows)
+
+
+class RunResults(list):
+    """``comix.run``'s answer: each method's results in the order of ``methods`` (a list, as
+    before), and ``run_dir``, the folder the run wrote (to export, report or resume from)."""
+
+    def __init__(self, results, run_dir: Path):
+        super().__init__(results)
+        self.run_dir = Path(run_dir)
+
+
+class CompareResults(dict):
+    """``comix.compare``'s answer: {spec: {seed: results}}, and ``run_dir``, the grid's folder."""
+
+    def __init__(self, results, run_dir: Path):
+        super().__init__(results)
+        self.run_dir = Path(run_dir)
 
 
 CONFIG_LOCK = "config.lock.json"  # the settings a run started with: --resume must match them
@@ -165,12 +183,12 @@ def prepare(config=None, overrides=(), resume=None, default_name: str = "", meth
     return (cfg, run_dir, *loaded)
 
 
-def run(config=None, *overrides: str, resume=None, quiet: bool = False, on_run_dir=None, **settings) -> list[dict]:
+def run(config=None, *overrides: str, resume=None, quiet: bool = False, on_run_dir=None, **settings) -> RunResults:
     """Run every method of ``config`` (a YAML path; None: the main job) with the given overrides;
     returns each method's results (``results.json``: per-user metrics, mean, bytes, config), in
-    the order of ``methods``. Writes the run directory (``run_dir``, default runs/<corpus>-<time>)
+    the order of ``methods``, with the run folder as ``.run_dir``. Writes the run directory (``run_dir``, default runs/<corpus>-<time>)
     and prints the per-user table unless ``quiet``."""
-    from .compare import MANY_USERS, metric_title
+    from .comparison import MANY_USERS, metric_title
     from .files import atomic_write
     from .runner import run_spec
     from .specs import spec_dirname
@@ -195,14 +213,14 @@ def run(config=None, *overrides: str, resume=None, quiet: bool = False, on_run_d
     console.print(f"results: {run_dir}/results.md (per method: metrics.jsonl, results.json, privacy.md"
                   f"{', adapters/' if not cfg.keep_checkpoints else ', checkpoint.pt'})")
     _report(run_dir, console)
-    return results
+    return RunResults(results, run_dir)
 
 
 def compare(config=None, *overrides: str, methods=None, seeds=None, resume=None, quiet: bool = False,
-            on_run_dir=None, **settings) -> dict[str, dict[int, dict]]:
+            on_run_dir=None, **settings) -> CompareResults:
     """A resumable grid of method specs x seeds (finished runs are skipped); writes compare.md,
-    compare.json and the figures, returns {spec: {seed: results}}."""
-    from .compare import (MANY_USERS, collect, curves, global_model_tables, metric_title, overhead_table,
+    compare.json and the figures, returns {spec: {seed: results}} with the grid's folder as ``.run_dir``."""
+    from .comparison import (MANY_USERS, collect, curves, global_model_tables, metric_title, overhead_table,
                           plot_assignment, plot_curves, plot_global_model, plot_privacy, privacy_table, references,
                           summary_tables)
     from .files import atomic_write
@@ -250,7 +268,7 @@ def compare(config=None, *overrides: str, methods=None, seeds=None, resume=None,
         print(shown + "\n\n" + overhead + (f"\n\n{global_tables}" if global_tables else ""))
     console.print(f"wrote {run_dir}/compare.md, compare.json" + "".join(f", {f}" for f in drawn))
     _report(run_dir, console)
-    return results
+    return CompareResults(results, run_dir)
 
 
 def export(run_dir, user: str | None, out, method: str | None = None, merged: bool = False,

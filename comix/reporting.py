@@ -173,7 +173,7 @@ def _plt():
 
 # -- sections ---------------------------------------------------------------------------------------
 def results_section(page: Page, runs: dict[str, dict[int, Path]]) -> None:
-    from .compare import _mean_std, metric_of, metric_title, user_table
+    from .comparison import _mean_std, metric_of, metric_title, user_table
     results = {spec: {s: json.loads((d / "results.json").read_text()) for s, d in by.items()} for spec, by in runs.items()}
     title = metric_title([r for by in results.values() for r in by.values()])
     rows = [f"| method | {title}: mean over users (std over seeds) | seeds | scored model |", "|---|---|---|---|"]
@@ -341,7 +341,7 @@ def token_pieces(tok, ids: list[int]) -> list[str]:
 
 
 def server_section(page: Page, runs: dict[str, dict[int, Path]]) -> None:
-    from .compare import plot_assignment
+    from .comparison import plot_assignment
     plt, MaxNLocator = _plt()
     for spec, by in runs.items():
         seed, d = min(by.items())

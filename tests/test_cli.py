@@ -164,7 +164,7 @@ def test_many_clients_read_as_rows_and_the_console_shows_a_summary(tmp_path, cap
     per-user table lists users as rows, the console shows mean / min / max per method, and no
     per-user figure is drawn; a few users keep CoMiGS's layout (methods as rows)."""
     from comix.api import results_table
-    from comix.compare import MANY_USERS
+    from comix.comparison import MANY_USERS
     names = [f"u{i}" for i in range(MANY_USERS + 4)]
     result = {"method": "local", "metric": "test_ppl", "mean": 2.5,
               "per_user": {u: {"test_ppl": 1.0 + i} for i, u in enumerate(names)}}

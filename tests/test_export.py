@@ -132,7 +132,8 @@ def test_bad_exports_are_one_line_and_leave_nothing(run, tmp_path, capsys):
 
 
 def test_the_python_face_runs_exports_and_reloads(tmp_path):
-    """comix.run / comix.export / comix.load_personal, as the README and examples/ use them."""
+    """comix.run / compare / export / load_personal / report in one process, in the order
+    docs/export.md shows them: running a method must not shadow ``comix.compare`` by a submodule."""
     import comix
     from comix.api import overrides_of
 
@@ -143,11 +144,25 @@ def test_the_python_face_runs_exports_and_reloads(tmp_path):
     results = comix.run(None, *[f"{k}={v}" for k, v in settings.items()], corpus=str(data), methods=["fedavg"],
                         run_dir=str(tmp_path / "run"), quiet=True)
     assert [r["method"] for r in results] == ["fedavg"] and set(results[0]["per_user"]) == {"alice", "bob", "carol"}
-    out = comix.export(tmp_path / "run", user="alice", out=tmp_path / "alice")
+    assert results.run_dir == tmp_path / "run"
+    grid = comix.compare(None, *[f"{k}={v}" for k, v in settings.items()], corpus=str(data), methods=["pretrained"],
+                         seeds=[1], run_dir=str(tmp_path / "grid"), quiet=True)
+    assert set(grid) == {"pretrained"} and set(grid["pretrained"]) == {1} and grid.run_dir == tmp_path / "grid"
+    out = comix.export(results.run_dir, user="alice", out=tmp_path / "alice")
     model, tok = comix.load_personal(out)
     assert tok is not None and model(input_ids=_ids()).logits.shape == (2, 24, 257)
     page, md = comix.report(tmp_path / "run", routing=False)
     assert page == tmp_path / "run" / "report.html" and "## Results" in md.read_text()
+
+
+def test_no_submodule_shadows_a_function_of_the_python_face():
+    """``import comix.x`` sets the attribute ``comix.x`` to the module: a submodule named like one of
+    ``comix.__all__`` (``compare.py`` once did) replaces that function as soon as anything imports it."""
+    import pkgutil
+
+    import comix
+    modules = {m.name for m in pkgutil.iter_modules(comix.__path__)}
+    assert not modules & set(comix.__all__), modules & set(comix.__all__)
 
 
 TASK = """task: comix_tiny_choice

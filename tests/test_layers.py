@@ -92,7 +92,7 @@ LAYERS = [
     {"config"},
     {"specs"},
     {"engines"},
-    {"runner", "compare", "personal"},
+    {"runner", "comparison", "personal"},
     {"reporting"},
     {"api", "harness"},
     {"comix"},

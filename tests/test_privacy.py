@@ -195,7 +195,7 @@ def test_every_dp_capable_method_averages_through_the_noisy_aggregate():
 
 
 def test_compare_sets_utility_against_epsilon_beside_the_noise_free_run():
-    from comix.compare import privacy_table
+    from comix.comparison import privacy_table
 
     p = {"clip": 0.05, "noise_multiplier": 1.0, "delta": 1e-5}
     results = {"fedavg": {42: {"metric": "test_ppl", "mean": 10.0}},
