@@ -39,14 +39,18 @@ def overrides_of(overrides=(), settings: dict | None = None) -> list[str]:
 
 
 def results_table(results: list[dict], users: list[str]) -> str:
-    """Each method's test metric per user and its mean over users (``compare.user_table``'s layout)."""
+    """Each method's test metric per user and its mean over users (``comparison.user_table``'s
+    layout), and epsilon after the last round when any method ran with DP noise."""
     from .comparison import metric_of, user_table
+    private = any(r.get("epsilon") is not None for r in results)
     cells = {}
     for r in results:
         key, mean = metric_of(r)
         cells[r["method"]] = [f"{r['per_user'][u][key]:.2f}" if key in r["per_user"].get(u, {}) else "-"
                               for u in users] + [f"{mean:.2f}"]
-    return user_table(cells, [*users, "mean"])
+        if private:
+            cells[r["method"]].append("-" if r.get("epsilon") is None else f"{r['epsilon']:.3g}")
+    return user_table(cells, [*users, "mean", *(["epsilon"] if private else [])])
 
 
 def results_summary(results: list[dict]) -> str:
@@ -80,6 +84,7 @@ class CompareResults(dict):
 
 CONFIG_LOCK = "config.lock.json"  # the settings a run started with: --resume must match them
 RESUME_MAY_CHANGE = {"threads", "keep_checkpoints", "run_dir"}  # change no number of the run
+CALIBRATED = "calibrated."  # lock keys of what the run derived (e.g. the noise of a target epsilon), not set
 
 
 def flat_config(cfg) -> dict:
@@ -103,7 +108,8 @@ def check_resume_config(run_dir: Path, cfg) -> None:
     if not lock.exists():  # a run started before this check existed
         return
     started, now = json.loads(lock.read_text()), flat_config(cfg)
-    diff = sorted(k for k in started.keys() | now.keys() if k not in RESUME_MAY_CHANGE and started.get(k) != now.get(k))
+    diff = sorted(k for k in started.keys() | now.keys() if k not in RESUME_MAY_CHANGE and not k.startswith(CALIBRATED)
+                  and started.get(k) != now.get(k))
     if diff:
         shown = ", ".join(f"{k} ({started.get(k)!r} -> {now.get(k)!r})" for k in diff[:4])
         raise ValueError(f"--resume {run_dir}: the config differs from the one the run started with: {shown}"
@@ -127,6 +133,19 @@ def scored_names(results: list[dict], users) -> list[str]:
     server's test domains (DeepFusion's and FedJETS's global model is scored per domain)."""
     scored = {k for r in results for k in r["per_user"]}
     return [u.name for u in users if u.name in scored] + sorted(scored - {u.name for u in users})
+
+
+def print_calibration(cfg, users, console) -> None:
+    """One line per method whose noise was calibrated to a target epsilon: the sigma it runs with
+    (kept in config.lock.json), and why fixed-k sampling reports a larger epsilon."""
+    from .privacy import FIXED_K_NOTE, sampling_of
+    from .specs import calibrated_noise, spec_config
+    for spec, sigma in calibrated_noise(cfg, len(users)).items():
+        mcfg = spec_config(cfg, spec)
+        kind = sampling_of(len(users), mcfg.train)[0]
+        console.print(f"privacy: {spec}: target epsilon {mcfg.privacy.target_epsilon:g} -> noise multiplier "
+                      f"{sigma:g} ({kind} sampling, {mcfg.train.rounds} rounds, dp-accounting RDP)"
+                      + (f". {FIXED_K_NOTE}" if kind == "fixed" else ""), highlight=False)
 
 
 def _report(run_dir: Path, console) -> None:
@@ -174,7 +193,9 @@ def prepare(config=None, overrides=(), resume=None, default_name: str = "", meth
     if on_run_dir:
         on_run_dir(run_dir)
     text = yaml.safe_dump(to_dict(cfg), sort_keys=False)
-    lock = json.dumps(flat_config(cfg), indent=1)
+    from .specs import calibrated_noise
+    sigmas = {f"{CALIBRATED}{spec}.privacy.noise_multiplier": s for spec, s in calibrated_noise(cfg, len(loaded[2])).items()}
+    lock = json.dumps({**flat_config(cfg), **sigmas}, indent=1)
     atomic_write(run_dir / CONFIG_LOCK, lambda p: Path(p).write_text(lock))
     atomic_write(run_dir / "config.yaml", lambda p: Path(p).write_text(text))
     from .data import describe_partition
@@ -198,6 +219,7 @@ def run(config=None, *overrides: str, resume=None, quiet: bool = False, on_run_d
                                                                  "", on_run_dir=on_run_dir)
     console.print(f"[bold]comix run[/] {run_dir}  model={cfg.model} corpus={cfg.corpus} "
                   f"device={model.device} precision={cfg.precision}\n{table}")
+    print_calibration(cfg, users, console)
     if len(cfg.seeds) > 1:
         console.print(f"seeds {cfg.seeds} make a grid: `comix run` runs seed {cfg.seed} only; "
                       "`comix compare` runs every seed")
@@ -232,6 +254,7 @@ def compare(config=None, *overrides: str, methods=None, seeds=None, resume=None,
                                                                  "compare-", methods, seeds, on_run_dir)
     seeds = cfg.seeds or [cfg.seed]
     console.print(f"[bold]comix compare[/] {run_dir}  methods={' '.join(cfg.methods)} seeds={seeds}\n{table}")
+    print_calibration(cfg, users, console)
     for seed in seeds:
         for spec in cfg.methods:
             run_spec(cfg, spec, seed, run_dir / f"seed{seed}" / spec_dirname(spec), model, users, console,

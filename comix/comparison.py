@@ -168,9 +168,9 @@ def privacy_table(results: dict[str, dict[int, dict]]) -> str:
                       "|---|---|---|---|---|", *rows])
 
 
-def plot_privacy(results: dict[str, dict[int, dict]], path: Path) -> bool:
+def privacy_figure(results: dict[str, dict[int, dict]]):
     """The task metric against epsilon, one line per method over its noise levels (noise-free runs
-    drawn at the right edge as a dashed reference)."""
+    drawn as a dashed reference); None when no run added noise."""
     points: dict[str, list[tuple[float, float]]] = {}
     free: dict[str, float] = {}
     for spec, by_seed in results.items():
@@ -182,11 +182,11 @@ def plot_privacy(results: dict[str, dict[int, dict]], path: Path) -> bool:
         else:
             points.setdefault(method, []).append((eps, mean))
     if not points:
-        return False
+        return None
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
     for i, (method, pts) in enumerate(sorted(points.items())):
         pts.sort()
         line, = ax.plot([e for e, _ in pts], [v for _, v in pts], "o-", label=method)
@@ -197,6 +197,15 @@ def plot_privacy(results: dict[str, dict[int, dict]], path: Path) -> bool:
     ax.set_ylabel(metric_title([r for by in results.values() for r in by.values()]))
     ax.legend(fontsize=8)
     fig.tight_layout()
+    return fig
+
+
+def plot_privacy(results: dict[str, dict[int, dict]], path: Path) -> bool:
+    """``privacy_figure`` written to ``path``; False when there is none."""
+    fig = privacy_figure(results)
+    if fig is None:
+        return False
+    import matplotlib.pyplot as plt
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True

@@ -171,12 +171,16 @@ def resolve_privacy(privacy: PrivacyConfig, n_clients: int, train) -> PrivacyCon
     when only the target is given; with both, refused (one line) when the given noise would spend
     more than the target over ``train.rounds``."""
     from dataclasses import replace
+    kind, rate, k = sampling_of(n_clients, train)
+    if privacy.target_epsilon > 0 and privacy.noise_multiplier == 0:
+        sigma = calibrate(privacy.target_epsilon, train.rounds, privacy.delta, kind, n_clients, k, rate)
+        privacy = replace(privacy, noise_multiplier=round(sigma, 6))
+        check_not_drowned(privacy, kind, rate * n_clients if kind == "poisson" else k,
+                          f"privacy.target_epsilon = {privacy.target_epsilon} over {train.rounds} rounds calibrates")
+        return privacy
+    check_not_drowned(privacy, kind, rate * n_clients if kind == "poisson" else k, "privacy.noise_multiplier is")
     if privacy.target_epsilon <= 0:
         return privacy
-    kind, rate, k = sampling_of(n_clients, train)
-    if privacy.noise_multiplier == 0:
-        sigma = calibrate(privacy.target_epsilon, train.rounds, privacy.delta, kind, n_clients, k, rate)
-        return replace(privacy, noise_multiplier=round(sigma, 6))
     spent = epsilon(privacy.noise_multiplier, train.rounds, privacy.delta, kind, n_clients, k, rate)
     if spent > privacy.target_epsilon:
         raise ValueError(f"privacy.target_epsilon = {privacy.target_epsilon} cannot be met: noise_multiplier "
@@ -185,12 +189,31 @@ def resolve_privacy(privacy: PrivacyConfig, n_clients: int, train) -> PrivacyCon
     return privacy
 
 
+def check_not_drowned(privacy: PrivacyConfig, kind: str, per_round: float, what: str) -> None:
+    """Refuse (one line, before any work) a noise that drowns every update: the noise on the
+    *average* of the ``per_round`` clients summed has std sigma x clip / per_round per coordinate,
+    so with sigma > per_round each coordinate's noise exceeds the norm bound of a whole update
+    (clip): the model trains on noise alone, and at large sigma its weights overflow to NaN."""
+    sigma = privacy.noise_multiplier
+    if sigma > max(1.0, per_round):
+        raise ValueError(
+            f"{what} noise multiplier sigma = {sigma:.6g}, more than the {per_round:g} clients averaged per round "
+            f"({kind} sampling): the noise on each coordinate of the average (std {sigma * privacy.clip / per_round:.3g})"
+            f" exceeds the bound on a whole update (privacy.clip = {privacy.clip:g}), so every update would be drowned; "
+            "allow a larger epsilon, more clients per round or fewer rounds")
+
+
 def epsilon_after(privacy: PrivacyConfig, rounds: int, n_clients: int, train) -> float | None:
     """The run's epsilon after ``rounds`` rounds (None when no noise is added)."""
     if privacy.noise_multiplier <= 0:
         return None
     kind, rate, k = sampling_of(n_clients, train)
     return epsilon(privacy.noise_multiplier, rounds, privacy.delta, kind, n_clients, k, rate)
+
+
+FIXED_K_NOTE = ("Sampling a fixed number of clients per round is accounted under replace-one neighbours (the sum's "
+                "sensitivity is 2 x clip), so its epsilon is larger than full participation's at the same sigma; "
+                "train.client_sampling=poisson is accounted under add-or-remove-one with amplification by sampling.")
 
 
 # -- the record of what left each device (privacy.md) ---------------------------------------------
@@ -217,21 +240,28 @@ def privacy_record(rows: list[dict], method: str, privacy: PrivacyConfig, sampli
                                        "released aggregate is protected, the server itself sees the exact sum)"
                                        if dp else "")
         if privacy.secure_aggregation else "off (the server sees each client's upload)"))
+    if kind == "fixed" and dp:
+        lines.append(f"- {FIXED_K_NOTE}")
     names = {n for r in rows for listing in r.get("signatures", {}).values() for n, *_ in listing}
     exempt_names = sorted(n for n in names if exempt(n))
     if (dp or math.isfinite(privacy.clip)) and exempt_names:
         lines.append(f"- Not covered by the clip or the epsilon: {len(exempt_names)} tensors "
                      f"({', '.join(exempt_names[:3])}{', ...' if len(exempt_names) > 3 else ''})")
-    lines += ["", "| round | clients uploading | bytes per client (min / max) | listing(s) | epsilon |",
-              "|---|---|---|---|---|"]
+    if not any(u["bytes"] for r in rows for u in r.get("uploads", {}).values()):
+        lines += ["- Uploads: none; nothing left any device in any round."]
+        return "\n".join(lines) + "\n"
+    clipping = math.isfinite(privacy.clip)  # how many updates the clip shortened (their norm was above it)
+    lines += ["", "| round | clients uploading | bytes per client (min / max) | listing(s) |"
+              + (" updates clipped |" if clipping else "") + " epsilon |", "|---|---|---|---|" + "---|" * (1 + clipping)]
     for r in rows:
-        ups = r.get("uploads", {})
+        ups = {c: u for c, u in r.get("uploads", {}).items() if u["bytes"]}
         sizes = [u["bytes"] for u in ups.values()]
         sigs = sorted({u["sig"] for u in ups.values()})
         eps = f"{r['epsilon']:.4g}" if "epsilon" in r else "-"
         size = f"{min(sizes):,} / {max(sizes):,}" if sizes else "-"
+        clipped = f" {r['clipped']} of {len(ups)} |" if clipping and "clipped" in r else " - |" if clipping else ""
         lines.append(f"| {r['round']} | {len(ups)} | {size} | {' '.join(sigs) if len(sigs) <= 3 else f'{len(sigs)} listings'}"
-                     f" | {eps} |")
+                     f" |{clipped} {eps} |")
     lines += ["", "## Upload listings", ""]
     for r in rows:
         for sig, listing in r.get("signatures", {}).items():

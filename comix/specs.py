@@ -69,6 +69,17 @@ def build_algorithm(cfg: RunConfig, spec: str, n_users: int):
     return algo
 
 
+def calibrated_noise(cfg: RunConfig, n_users: int) -> dict[str, float]:
+    """{spec: the noise multiplier calibrated to its privacy.target_epsilon} for every method of
+    ``cfg`` that gives a target and no noise (printed, and kept in the run's config.lock.json)."""
+    out = {}
+    for spec in cfg.methods:
+        privacy = spec_config(cfg, spec).privacy
+        if privacy.target_epsilon > 0 and privacy.noise_multiplier == 0:
+            out[spec] = build_algorithm(cfg, spec, n_users).privacy.noise_multiplier
+    return out
+
+
 def count_users(cfg: RunConfig, corpus) -> int:
     if hasattr(corpus, "examples"):  # an instruction set: its partition decides
         return cfg.data.clients or len(cfg.data.users or {ex.category for ex in corpus.examples})

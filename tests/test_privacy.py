@@ -14,7 +14,7 @@ from comix.engines.server import sample_clients, serve
 from comix.models import LoRAConfig
 from comix.privacy import (GaussianSumNoise, PrivacyConfig, calibrate, clip_upload, epsilon, epsilon_after,
                            resolve_privacy)
-from comix.specs import build_algorithm
+from comix.specs import build_algorithm, spec_dirname
 from test_server import setup  # noqa: F401 (the shared tiny fixture: tiny Llama, three users)
 
 TRAIN = dict(rounds=2, local_steps=2, batch_size=2, seq_len=16, eval_every=2, eval_batch_size=4)
@@ -158,6 +158,25 @@ def test_target_epsilon_calibrates_the_noise_or_refuses():
 
 
 # -- bad input and refusals -----------------------------------------------------------------------
+def test_a_target_epsilon_whose_noise_drowns_every_update_is_refused_before_any_work(tmp_path, capsys):
+    """epsilon 0.001 calibrates sigma ~1e5: every upload would turn into noise (then NaN). One line
+    with the sigma and why, exit 2, no run folder; a sigma at the bound still runs."""
+    from test_cli import _fails
+    run = tmp_path / "run"
+    line = _fails(capsys, ["run", "model=tiny-llama", "methods=[fedavg]", "privacy.clip=1.0",
+                           "privacy.target_epsilon=0.001", f"run_dir={run}"], "would be drowned")
+    assert "sigma = " in line and "more than the 4 clients averaged per round" in line
+    assert not run.exists()
+    train = TrainConfig(rounds=3)
+    assert resolve_privacy(PrivacyConfig(clip=1.0, noise_multiplier=4.0), 4, train).noise_multiplier == 4.0
+    with pytest.raises(ValueError, match="would be drowned"):
+        resolve_privacy(PrivacyConfig(clip=1.0, noise_multiplier=4.5), 4, train)
+    poisson = TrainConfig(rounds=3, client_sampling="poisson", client_fraction=0.1)
+    assert resolve_privacy(PrivacyConfig(clip=1.0, noise_multiplier=9.0), 100, poisson).noise_multiplier == 9.0
+    with pytest.raises(ValueError, match="10 clients averaged"):
+        resolve_privacy(PrivacyConfig(clip=1.0, noise_multiplier=11.0), 100, poisson)
+
+
 @pytest.mark.parametrize("override,words", [
     ("privacy.clip=0", "privacy.clip must be > 0"),
     ("privacy.noise_multiplier=-1", "noise_multiplier must be >= 0"),
@@ -207,3 +226,36 @@ def test_compare_sets_utility_against_epsilon_beside_the_noise_free_run():
     assert "| fedavg:privacy.noise_multiplier=1 | 0.05 | 1 | 3.5 (delta 1e-05) | 12.00 |" in table
     assert "local" not in table  # a method never run privately has no row
     assert privacy_table({"fedavg": results["fedavg"]}) == ""
+
+
+def test_a_calibrated_run_states_its_sigma_epsilon_and_clipped_updates(tmp_path, capsys):
+    """The sigma calibrated to a target epsilon is printed and kept in config.lock.json (resume
+    still matches); results.md has the epsilon column; privacy.md counts the clipped updates per
+    round (exactly those whose norm was above the clip) and explains fixed-k sampling's epsilon;
+    a method that uploads nothing says so instead of listing zero-byte uploads."""
+    from comix.cli import main
+    from test_cli import TINY, _user_dirs
+    run = tmp_path / "run"
+    spec = "fedavg:privacy.clip=0.3,privacy.target_epsilon=30"
+    tight = "fedavg:privacy.clip=0.01,privacy.noise_multiplier=0.5"  # every update above the clip
+    args = [f"corpus={_user_dirs(tmp_path / 'data')}", f"run_dir={run}", *TINY, f"methods=[local,'{spec}','{tight}']",
+            "train.clients_per_round=2"]
+    assert main(["run", *args]) == 0
+    err = capsys.readouterr().err
+    lock = json.loads((run / "config.lock.json").read_text())
+    sigma = lock[f"calibrated.{spec}.privacy.noise_multiplier"]
+    assert f"noise multiplier {sigma:g} (fixed sampling" in " ".join(err.split())
+    assert "| mean | epsilon |" in (run / "results.md").read_text()
+    counts = []
+    for folder, clip in ((run / spec_dirname(spec), 0.3), (run / spec_dirname(tight), 0.01)):
+        record = (folder / "privacy.md").read_text()
+        assert "replace-one neighbours" in record
+        rows = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+        for rnd in (1, 2):
+            norms = [r["update_norm"] for r in rows if r["round"] == rnd and "update_norm" in r]
+            line = next(ln for ln in record.splitlines() if ln.startswith(f"| {rnd} | "))
+            counts.append(sum(n > clip for n in norms))
+            assert f" {counts[-1]} of {len(norms)} |" in line
+    assert counts[-1] == 2 and counts[0] < 2  # the planted clips: none or some, then all
+    assert "Uploads: none" in (run / "local" / "privacy.md").read_text()
+    assert main(["run", "--resume", str(run)]) == 0  # the calibrated sigma is no config change

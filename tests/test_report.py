@@ -29,7 +29,7 @@ def test_the_report_has_a_section_per_kind_of_record(run, capsys):
                     "Communication and compute", "What left each device"):
         assert heading in page and heading in md, heading
     # results over both seeds with std, and each method's scoring rule
-    assert re.search(r"\| comigs-1g1s \| [\d.]+ \([\d.]+\) \| 2 \| each client's model after it takes", md)
+    assert re.search(r"\| comigs-1g1s \| [\d.]+ \([\d.]+\) \| 2 \| - \| each client's model after it takes", md)
     # only a mixture gets gates and routing; the DP run's epsilon is in the traffic table
     assert "gates-comigs-1g1s.png" in md and "gates-fedavg.png" not in md
     assert "comigs-1g1s, user alice's model on bob's text" in md
@@ -85,3 +85,47 @@ def test_gates_of_modules_with_different_expert_counts_are_drawn(tmp_path):
     gates_section(page, {"fedamole": {1: tmp_path}})
     figs = [b for b in page.blocks if b[0] == "fig"]
     assert len(figs) == 1 and figs[0][2][:4] == b"\x89PNG"
+
+
+def test_the_report_of_a_run_scored_once_has_pretrained_bars_routing_and_readable_figures(tmp_path):
+    """The main job evaluates only its last round (``train.eval_every``): the report still has the
+    token routing maps, draws a bar per method instead of a one-point curve, lists Pretrained (a
+    method folder with results.json alone), plots the training loss, says Local sends nothing, and
+    no figure has overlapping tick labels."""
+    from comix.reporting import build_page
+    data = _user_dirs(tmp_path / "data")
+    run = tmp_path / "run"
+    args = [a for a in TINY if not a.startswith("train.eval_every")] + ["train.eval_every=2"]
+    assert main(["run", f"corpus={data}", f"run_dir={run}", "methods=[pretrained,local,comigs-1g1s]", *args]) == 0
+    page = build_page(run)
+    md, _ = page.markdown("f")
+    assert "| pretrained | " in md and "the frozen base" in md
+    assert "each client's own model after its local training (nothing is shared)" in md
+    assert "## Final scores" in md and "## Learning curves" not in md and "## Training loss" in md
+    assert "## Token routing" in md and "comigs-1g1s, user alice's model on bob's text" in md
+    assert "local: nothing left any device" in md and "| local | 1 |" not in md
+    assert page.overlaps == {}
+    assert "<code>train.eval_every</code>" in page.html()  # markdown's inline code is rendered
+
+
+def test_overlapping_tick_labels_are_found():
+    from comix.reporting import overlapping_tick_labels
+    from comix.reporting.page import plt_
+    plt = plt_()
+    fig, ax = plt.subplots(figsize=(2, 2))
+    ax.set_xticks(range(6), [f"a long method name {i}" for i in range(6)])
+    assert overlapping_tick_labels(fig)
+    ax.set_xticks(range(6), [str(i) for i in range(6)])
+    assert overlapping_tick_labels(fig) == []
+    plt.close(fig)
+
+
+def test_a_dp_compare_s_report_shows_utility_against_epsilon(run):
+    from comix.reporting import build_page
+    page = build_page(run, routing=False)
+    md, images = page.markdown("f")
+    assert "### Utility against privacy" in md and "privacy.png" in images
+    assert "| fedavg:privacy.clip=0.05_privacy.noise_multiplier=1 |" in md or \
+        "| fedavg:privacy.clip=0.05,privacy.noise_multiplier=1 | 0.05 | 1 |" in md
+    assert "epsilon |" in md.split("Per user")[0]  # the results table has the epsilon column
+    assert page.overlaps == {}

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import random
 import time
 from dataclasses import asdict
@@ -193,6 +194,8 @@ def serve(algorithm: Algorithm, transport: Transport, users: list[str], out_dir:
             # assignment and RSEA time, which the paper counts inside aggregation)
             server_row = {"round": rnd + 1, "train_s": round(t_train - t0, 4),
                           "aggregate_s": round(time.time() - t_agg, 4), **upload_record(uploads, seen)}
+        if math.isfinite(algorithm.privacy.clip):  # the updates the clip shortened (privacy.md)
+            server_row["clipped"] = sum(m.get("update_norm", 0) > algorithm.privacy.clip for m in client_metrics.values())
         server_row.update(algorithm.server_report(server_state))
         eps = epsilon_after(algorithm.privacy, rnd + 1, n_clients, train)
         if eps is not None:

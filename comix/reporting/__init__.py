@@ -1,0 +1,71 @@
+"""`comix report DIR`: one page a person would rather look at than read.
+
+``DIR`` is a run folder (``<run>/<method>/``), a compare folder (``<run>/seed<S>/<method>/``) or one
+method folder. The page is built from what the records hold, a section per *kind of record*, so a
+method gets every section its records allow:
+  results.json ............ results: mean (std) over seeds, per-user table, each method's scoring rule,
+                            epsilon and utility against epsilon when DP was on (sections.py)
+  metrics.jsonl ........... learning curves (task metric per evaluated round, per method and user; a
+                            bar chart when only one round was evaluated), training loss per round;
+                            communication and compute (bytes up / down, update norm, time per round)
+  metrics.jsonl "gates" ... expert scores over training (CoMiGS Fig. 4 / 10: mean gate per expert
+                            and layer, per user, by round)
+  adapters + a mixture .... token routing colour maps (CoMiGS Fig. 3, 14-19): test texts of each
+                            user, every token coloured by its top-1 expert at the first, middle
+                            and last layer (rebuilt with ``personal.rebuild``)
+  server.jsonl ............ FedAMoLE's assignment view (Fig. 8) and solve times; DeepFusion's KD
+                            loss terms per step and its clusters; epsilon per round
+  privacy.md .............. what left each device
+Writes ``report.html`` (self-contained: images inline as data URIs, no network) and ``report.md``
+(the same content, its images under ``report-files/``), each through a temp file and a rename.
+"""
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from .page import Page, md_to_html, overlapping_tick_labels
+from .records import ReportError, find_runs, scoring_rule
+from .routing import routing_section, token_pieces
+from .sections import curves_section, gates_section, privacy_section, results_section, traffic_section
+from .server import server_section
+
+
+def build_page(path: Path, routing: bool = True) -> Page:
+    """The report of ``path`` (a run, compare or method folder) as a Page, not yet written."""
+    runs = find_runs(path)
+    page = Page(f"comix report: {path.name}")
+    page.md(f"Folder `{path}`; methods: {', '.join(runs)}; seeds: {sorted({s for by in runs.values() for s in by})}.")
+    results_section(page, runs)
+    curves_section(page, runs)
+    gates_section(page, runs)
+    if routing:
+        routing_section(page, runs)
+    server_section(page, runs)
+    traffic_section(page, runs)
+    privacy_section(page, runs)
+    return page
+
+
+def write_report(path: Path, routing: bool = True) -> tuple[Path, Path]:
+    """Write ``report.html`` and ``report.md`` into ``path`` (a run, compare or method folder)."""
+    from ..files import atomic_write
+    path = Path(path)
+    page = build_page(path, routing)
+    text, images = page.markdown("report-files")
+    tmp = Path(tempfile.mkdtemp(dir=path, prefix=".report-files-"))
+    try:
+        for name, data in images.items():
+            (tmp / name).write_bytes(data)
+        shutil.rmtree(path / "report-files", ignore_errors=True)
+        tmp.rename(path / "report-files")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    atomic_write(path / "report.md", lambda p: Path(p).write_text(text))
+    atomic_write(path / "report.html", lambda p: Path(p).write_text(page.html()))
+    return path / "report.html", path / "report.md"
+
+
+__all__ = ["Page", "ReportError", "build_page", "find_runs", "gates_section", "md_to_html", "overlapping_tick_labels",
+           "routing_section", "scoring_rule", "token_pieces", "write_report"]
