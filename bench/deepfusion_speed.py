@@ -1,4 +1,4 @@
-"""DeepFusion's costs (issue E targets), measured and printed, not asserted.
+"""DeepFusion's costs (its speed and size targets), measured and printed, not asserted.
 
     python bench/deepfusion_speed.py [--device cuda --precision bf16]
 

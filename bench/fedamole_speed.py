@@ -1,4 +1,4 @@
-"""FedAMoLE's costs against FedIT's (issue D targets), measured, not asserted.
+"""FedAMoLE's costs against FedIT's (its speed and size targets), measured, not asserted.
 
     python bench/fedamole_speed.py [--device cuda --precision bf16]
 

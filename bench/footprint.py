@@ -1,4 +1,4 @@
-"""Every bench ends by printing its own footprint: wall time and peak resident memory (issue J:
+"""Every bench ends by printing its own footprint: wall time and peak resident memory (
 a benchmark must say what it cost the machine it ran on). ``import footprint`` at the top of a
 bench script registers the report; ``python bench/<name>.py`` puts bench/ on the path."""
 from __future__ import annotations

@@ -19,7 +19,7 @@ ratios are trustworthy when that is below 5 %).
     GPT-2-124M shapes (random weights; GPT-2 itself is not available offline). By default a batch
     of 2 x 128 at n = 2, 8; --full: 8 x 128 at n = 2, 4, 8.
 
-Footprint (issue J: a bench fits the 24 GB, 2-core machine it runs on). One model's configurations
+Footprint (a bench fits the 24 GB, 2-core machine it runs on). One model's configurations
 are in memory at a time and share its frozen weights, but their steps interleave in one glibc
 heap, and each configuration's freed activations are the wrong sizes for the next one's: the heap
 grows to ~4x one step's live memory (SmolLM2 at 8 x 128: 14.7 GB resident for ~4 GB live, measured

@@ -1,5 +1,5 @@
 """The main job (``comix run``) of two commits, back to back on this machine: wall time, peak RAM
-and the printed table of each (issue G part 3: faster, with the same numbers).
+and the printed table of each (faster, with the same numbers).
 
     python bench/main_job.py --old eed3d04 [--new HEAD] [--repeat 1] [-- key=value ...]
 
@@ -65,7 +65,7 @@ def peak_mb_of(tree: Path, overrides: list[str], out: Path) -> tuple[float, floa
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--old", required=True, help="the commit to compare against (e.g. the one issue G was filed at)")
+    ap.add_argument("--old", required=True, help="the commit to compare against (e.g. eed3d04, before the speed work)")
     ap.add_argument("--new", default="HEAD")
     ap.add_argument("--repeat", type=int, default=1, help="timed runs of each commit, interleaved")
     ap.add_argument("overrides", nargs="*", help="config overrides for both runs (key=value)")

@@ -4,7 +4,7 @@ shape, summed.
 
     python bench/main_job_floor.py [key=value ...]     # the same overrides as `comix run`
 
-Issue G part 3 asks for the main job 2x faster with the same printed numbers. Nothing that keeps
+The goal was the main job 2x faster with the same printed numbers. Nothing that keeps
 the numbers can skip a product the algorithms need, so the sum of their times is a lower bound on
 the wall time (everything else -- normalisation, attention softmax, the optimiser, data, I/O --
 only adds to it). The run is executed once in-process under a ``TorchDispatchMode`` that records

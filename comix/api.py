@@ -1,4 +1,4 @@
-"""The Python face of comix (issue F1): what the ``comix`` command line itself calls.
+"""The Python face of comix: what the ``comix`` command line itself calls.
 
     import comix
     results = comix.run("configs/small/table1-multilingual.yaml", methods=["fedavg"], train={"rounds": 2})
@@ -295,11 +295,12 @@ def compare(config=None, *overrides: str, methods=None, seeds=None, resume=None,
 
 
 def export(run_dir, user: str | None, out, method: str | None = None, merged: bool = False,
-           static: bool = False) -> Path:
+           static: bool = False, with_base: bool | None = None) -> Path:
     """``user``'s model of a finished run (PEFT folders where the method has them) or the run's
     global model (DeepFusion, FedJETS; ``user`` None), with a manifest (comix/personal.py); returns ``out``."""
     from .personal import export_personal
-    return export_personal(Path(run_dir), user, Path(out), method=method, merged=merged, static=static)
+    return export_personal(Path(run_dir), user, Path(out), method=method, merged=merged, static=static,
+                           with_base=with_base)
 
 
 def load_personal(folder, base=None):

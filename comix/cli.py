@@ -135,7 +135,7 @@ def cmd_data(args) -> int:
 def cmd_export(args) -> int:
     from .personal import export_personal
     out = export_personal(Path(args.dir), args.user, Path(args.out), method=args.method, merged=args.merged,
-                          static=args.static)
+                          static=args.static, with_base=args.with_base or None)
     man = json.loads((out / "manifest.json").read_text())
     print(f"exported {man['method']} / {man.get('user', 'every user')} ({man['kind']}) to {out}")
     if man["kind"] == "lora":
@@ -162,8 +162,8 @@ def cmd_report(args) -> int:
 def cmd_generate(args) -> int:
     import torch
 
-    from .personal import load_personal
-    model, tok = load_personal(args.dir)
+    from .personal import load_any
+    model, tok = load_any(args.dir)
     ids = tok(args.prompt, return_tensors="pt")["input_ids"]
     with torch.inference_mode():
         out = model.generate(input_ids=ids, max_new_tokens=args.max_new_tokens, do_sample=False,
@@ -214,7 +214,7 @@ def main(argv=None) -> int:
     from . import __version__
 
     RUN_DIR = None
-    # transformers' / the hub's own loading bars would interleave with comix's progress (issue K)
+    # transformers' / the hub's own loading bars would interleave with comix's progress
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
     ap = argparse.ArgumentParser(prog="comix", description="Collaborative fine-tuning with mixtures of LoRA experts")
@@ -269,6 +269,9 @@ def main(argv=None) -> int:
     e.add_argument("--out", required=True, help="a new folder")
     e.add_argument("--method", help="the method spec, when the run holds several")
     e.add_argument("--merged", action="store_true", help="plain LoRA: also the base with the LoRA merged (merged/)")
+    e.add_argument("--with-base", action="store_true",
+                   help="also base/, the base model as a transformers folder that every PEFT folder names (default "
+                        "for the tiny models comix builds): AutoPeftModelForCausalLM then loads the export offline")
     e.add_argument("--static", action="store_true",
                    help="mixtures: also one PEFT adapter of the experts at the user's mean gate (static/, approximate)")
     rp = sub.add_parser("report", help="report.html and report.md of a run or compare folder (tables, curves, "
@@ -276,7 +279,7 @@ def main(argv=None) -> int:
     rp.add_argument("dir", help="a run, compare or method folder")
     rp.add_argument("--no-routing", action="store_true", help="skip the token routing maps (they rebuild each user model)")
     g = sub.add_parser("generate", help="a greedy completion from an exported model")
-    g.add_argument("dir", help="a `comix export` folder")
+    g.add_argument("dir", help="a `comix export` folder, a PEFT LoRA folder or a (merged) model folder")
     g.add_argument("prompt")
     g.add_argument("--max-new-tokens", type=int, default=40)
     args = ap.parse_args(argv)

@@ -147,7 +147,7 @@ def plot_curves(data: dict, path: Path, per_user: bool, refs: dict | None = None
 
 
 def privacy_table(results: dict[str, dict[int, dict]]) -> str:
-    """Utility against privacy (issue F2): per spec run with ``privacy.*``, its clip, noise
+    """Utility against privacy: per spec run with ``privacy.*``, its clip, noise
     multiplier, epsilon at its delta after the last round and the task metric (mean (std) over
     seeds); empty when no run was private."""
     private = {spec.split(":")[0] for spec, by in results.items() if any("privacy" in r for r in by.values())}

@@ -1,4 +1,4 @@
-"""An exported user model in EleutherAI's lm-evaluation-harness (issue F1 part 2).
+"""An exported user model in EleutherAI's lm-evaluation-harness.
 
 A plain-LoRA export is a standard PEFT folder, so lm-eval's own ``hf`` model scores it with nothing
 of comix installed::

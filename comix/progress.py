@@ -1,4 +1,4 @@
-"""Progress inside a round, for phases that take minutes (issue K): a device i of N training, a
+"""Progress inside a round, for phases that take minutes: a device i of N training, a
 server's distillation step j of M. Any layer may call ``step(phase, done, total)``; the runner
 installs a listener that shows it on the run's progress bar (nothing happens without one), so
 no module imports a higher layer to report progress."""

@@ -27,7 +27,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 OUT = Path(__file__).resolve().parents[1] / "comix" / "data" / "builtin"
-TARGET_CHARS = 2_000_000  # per corpus; the issue asks >= 1.5 M
+TARGET_CHARS = 2_000_000  # per corpus (>= 1.5 M characters each: enough text for 3 rounds of every user without repeats)
 PACKAGES = {
     "libreoffice-help-de": "MPL-2.0", "libreoffice-help-fr": "MPL-2.0",
     "libreoffice-help-it": "MPL-2.0", "libreoffice-help-nl": "MPL-2.0",

@@ -1,4 +1,4 @@
-"""Build comix's built-in offline instruction sets (FedAMoLE's scenarios, issue D) from Debian
+"""Build comix's built-in offline instruction sets (FedAMoLE's scenarios) from Debian
 packages and one wheel; run once by a maintainer, the result is committed:
 
     python scripts/build_instructions.py            # apt-get download + pip download into a temp dir

@@ -1,4 +1,4 @@
-"""Each baseline's defining property (issue B), on a tiny random Llama."""
+"""Each baseline's defining property, on a tiny random Llama."""
 import json
 
 import pytest

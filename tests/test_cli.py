@@ -160,7 +160,7 @@ def test_method_spec_errors_name_the_option(tmp_path, capsys):
 
 
 def test_many_clients_read_as_rows_and_the_console_shows_a_summary(tmp_path, capsys):
-    """A 1000-column table cannot be read (issue G, 1000 clients): past MANY_USERS users the
+    """A 1000-column table cannot be read: past MANY_USERS users the
     per-user table lists users as rows, the console shows mean / min / max per method, and no
     per-user figure is drawn; a few users keep CoMiGS's layout (methods as rows)."""
     from comix.api import results_table
@@ -193,7 +193,7 @@ def test_many_clients_read_as_rows_and_the_console_shows_a_summary(tmp_path, cap
     assert not (run / "global-model.png").exists()  # no global model was scored
 
 
-# -- issue K: every failure one line, resume strict ------------------------------------------------
+# -- every failure one line, resume strict ------------------------------------------------
 def _fails(capsys, argv, message, code=2):
     from comix.cli import main
     assert main(argv) == code
@@ -265,7 +265,7 @@ def test_a_full_disk_while_writing_says_so_and_keeps_the_previous_file(tmp_path)
 
 
 def test_model_shaped_options_are_checked_from_the_config_all_at_once(tmp_path, capsys, monkeypatch):
-    """K part 2: DeepFusion's device specs and stages against the base's sizes, every problem in
+    """DeepFusion's device specs and stages against the base's sizes, every problem in
     one line naming deepfusion.devices / deepfusion.stages and the model, before any weights or
     data load and before the run directory exists; methods=[] is refused."""
     import comix.models

@@ -560,7 +560,7 @@ def test_public_tuning_draws_the_budgeted_public_batches_and_trains_every_moe_we
     assert all(not torch.equal(p, before[n]) for n, p in moe.named_parameters())
 
 
-# -- issue I: the KD terms as eq. 10-11 define them, and what distillation and tuning optimise ---------
+# -- the KD terms as eq. 10-11 define them, and what distillation and tuning optimise ---------
 def _kd_setup():
     student, teacher = _llama(seed=0), _llama(seed=3, layers=2)
     x, y = IDS[:, :-1], IDS[:, 1:]

@@ -1,6 +1,6 @@
 """The README and docs/ name only what exists: every `comix <command>` is a subcommand, every
 recipe, script, example and doc path is in the repository (globs match), every recipe a command
-runs loads (issue J: the README is a front door, not a list of dead ends)."""
+runs loads (the README is a front door, not a list of dead ends)."""
 import re
 from pathlib import Path
 

@@ -1,4 +1,4 @@
-"""`comix export` / `comix.load_personal` (issue F1 part 2): the user's model outside comix has the
+"""`comix export` / `comix.load_personal`: the user's model outside comix has the
 run's logits, in PEFT and merged form for plain LoRA, expert by expert and exactly through the
 manifest for mixtures; bad input is one line and leaves nothing half-written."""
 import json
@@ -128,7 +128,49 @@ def test_bad_exports_are_one_line_and_leave_nothing(run, tmp_path, capsys):
     other, _ = load_base_model("tiny-llama", seed=1)  # same architecture, other weights
     with pytest.raises(ExportError, match="the base model's weights differ"):
         load_personal(done, base=other)
-    fails(["generate", str(tmp_path), "hi"], "not a `comix export` folder")
+    fails(["generate", str(tmp_path), "hi"], "is neither a `comix export` folder")
+    fails(["export", str(run), "--user", "bob", "--out", str(out / "m"), "--method", "comigs-1g1s", "--merged"],
+          "--merged: comigs-1g1s is a mixture of LoRA experts")
+    assert not (out / "m").exists()
+
+
+def test_an_export_of_a_tiny_model_loads_with_auto_peft_offline_in_a_process_without_comix(run, tmp_path):
+    """The tiny model exists nowhere but in comix: its export carries base/, which every PEFT
+    folder names, so plain transformers + peft load it with no network and give the run's logits."""
+    import os
+    import subprocess
+    import sys
+
+    out = export_personal(run, "alice", tmp_path / "alice", method="fedavg")
+    assert (out / "base" / "config.json").exists()
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str((out / "base").resolve())
+    model, _, _ = rebuild(run / "fedavg", "alice")
+    ids = _ids()
+    torch.save(ids, tmp_path / "ids.pt")
+    code = ("import sys, torch\nassert 'comix' not in sys.modules\nfrom peft import AutoPeftModelForCausalLM\n"
+            f"m = AutoPeftModelForCausalLM.from_pretrained({str(out)!r}).eval()\n"
+            f"ids = torch.load({str(tmp_path / 'ids.pt')!r})\n"
+            f"with torch.no_grad(): torch.save(m(input_ids=ids).logits, {str(tmp_path / 'got.pt')!r})\n"
+            "assert 'comix' not in sys.modules\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert torch.allclose(torch.load(tmp_path / "got.pt"), _logits(model, ids), atol=1e-5)
+
+
+def test_static_export_reaches_for_no_network_and_generate_takes_peft_and_merged_folders(run, tmp_path, capsys,
+                                                                                        monkeypatch):
+    import socket
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the export reached for the network")
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    mix = export_personal(run, "bob", tmp_path / "mix", method="comigs-1g1s", static=True)
+    plain = export_personal(run, "bob", tmp_path / "plain", method="fedavg", merged=True)
+    for folder in (mix / "experts" / "0", mix / "static", plain / "merged"):
+        capsys.readouterr()
+        assert main(["generate", str(folder), "der hund", "--max-new-tokens", "3"]) == 0, folder
+        assert capsys.readouterr().out.startswith("der hund")
 
 
 def test_the_python_face_runs_exports_and_reloads(tmp_path):

@@ -1,4 +1,4 @@
-"""FedAMoLE (issue D) on the algorithm contract: aggregation by expert id, assignments within
+"""FedAMoLE on the algorithm contract: aggregation by expert id, assignments within
 Definition IV.1's constraints, the embedding set kept out of training, exact embeddings."""
 import json
 import math
@@ -137,7 +137,7 @@ def test_fedit_is_lora_on_q_and_v_with_peft_scaling(setup):
     assert lora.scaling == algo.lora.alpha / algo.lora.r and lora.dropout.p == 0.05
 
 
-# -- issue I: which model is scored, optimiser state, RSEA's inputs --------------------------------
+# -- which model is scored, optimiser state, RSEA's inputs --------------------------------
 def test_the_scored_adapters_are_the_client_s_post_training_adapters(setup):
     """The authors' main.py tests each client after train_experts and before aggregate."""
     algo, clients, server, payloads = _start(setup)

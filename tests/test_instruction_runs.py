@@ -1,4 +1,4 @@
-"""Instruction tasks end to end (issue D): built-in sets, partitions saved with the run, task
+"""Instruction tasks end to end: built-in sets, partitions saved with the run, task
 metrics in the engines and reports, post-aggregation fine-tuning, soft prompts."""
 import json
 import lzma

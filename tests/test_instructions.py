@@ -1,4 +1,4 @@
-"""Instruction data (issue D): templates, response-only loss, partitions, client splits."""
+"""Instruction data: templates, response-only loss, partitions, client splits."""
 import pytest
 import torch
 

@@ -1,4 +1,4 @@
-"""`comix report` (issue F1 part 1): sections drawn from the records, a self-contained page that
+"""`comix report`: sections drawn from the records, a self-contained page that
 a real headless Chromium loads with every image decoded and no console error, markdown twin,
 one-line refusal of a folder that is not a run."""
 import json

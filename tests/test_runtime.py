@@ -1,4 +1,4 @@
-"""Device and precision plumbing (issue G): bf16 on the CPU, states kept on the CPU, no
+"""Device and precision plumbing: bf16 on the CPU, states kept on the CPU, no
 hard-coded devices; the CUDA tests run where a GPU is present and are skipped elsewhere."""
 import re
 from pathlib import Path

@@ -1,4 +1,4 @@
-"""Many clients (issue G): client sampling per round, Dirichlet client splits, offloaded states
+"""Many clients: client sampling per round, Dirichlet client splits, offloaded states
 kept per round so that resume and memory do not depend on the number of clients."""
 import json
 

@@ -1,4 +1,4 @@
-"""Secure aggregation (issue F2 part 2): comix's Flower ServerApp and ClientApp run Flower's own
+"""Secure aggregation: comix's Flower ServerApp and ClientApp run Flower's own
 SecAgg+ (SecAggPlusWorkflow, secaggplus_mod) over a loopback Grid in this process, so every
 message the server receives can be inspected. The real deployment path (Ray simulation) is in
 test_flower.py."""

@@ -1,4 +1,4 @@
-"""What a person sees in a terminal (issue K): ``comix run`` in a pseudo-terminal, its bytes fed
+"""What a person sees in a terminal: ``comix run`` in a pseudo-terminal, its bytes fed
 to a VT100 emulator (pyte), the screen read back. The live bar is there while the run goes (with
 its times, not cut to ``0:0…``), it is gone at the end (transient), each round's log line is on
 the screen once, and Ctrl-C leaves one line naming the resume command."""

@@ -161,7 +161,7 @@ class Algorithm:
         the server only the *sum* of the sampled clients' uploads, so it serves the methods whose
         server step is that mean and nothing else (this base's ``server_round``: FedAvg, FedIT,
         CoMiGS' generalists, FFA- and FedSA-LoRA): one fixed list of tensors per client, summed
-        over every sampled client (issue F2 part 2)."""
+        over every sampled client."""
         if cls.pooled or not cls.trains:
             return "it uploads nothing (one pooled model or no training)"
         if cls.is_shared is Algorithm.is_shared:

@@ -163,7 +163,7 @@ class DeepFusion(Algorithm):
         self.stages, self.queries, self.vaa_dim, self.vaa_heads = stages, queries, vaa_dim, vaa_heads
         self.alpha, self.beta, self.temperature = alpha, beta, temperature
         # The paper gives no learning rates. The VAA / OFA modules start untrained and get their own
-        # lr: measured on the CPU recipe (issue I), at the student's 1e-4 VAA's normalised FM went
+        # lr: measured on the CPU recipe, at the student's 1e-4 VAA's normalised FM went
         # 3.98 -> 3.67 in 30 steps (near its init; its gradient on the student had cosine -0.05 with
         # CE's), at 1e-3 it fell to 2.33.
         self.kd_steps, self.kd_lr, self.feature_lr, self.kd_batch = kd_steps, kd_lr, feature_lr, kd_batch

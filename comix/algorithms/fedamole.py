@@ -348,7 +348,7 @@ class FedAMoLE(Algorithm):
                     st["assignment"][m], info = assign_by_relevance(s_v, self.k_c, *self.bounds, self.solver)
                 report["solve_s"] += info["solve_s"]
                 # how far the selection probabilities are from uniform (1 / N): near 0, the MILP's
-                # choice rests on tiny differences (issue I, item 6)
+                # choice rests on tiny differences
                 dev = float((info["probs"] - 1 / self.n_clients).abs().max())
                 if dev >= report.get("p_max_dev", -1.0):  # Fig. 8: the module whose choice is least arbitrary
                     report["p_max_dev"] = dev

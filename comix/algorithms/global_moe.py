@@ -43,7 +43,7 @@ def public_tuning(moe: nn.Module, public: torch.Tensor, steps: int, batch: int, 
     """The server's public data for a baseline that has no teachers (FedJETS, central-moe):
     ``steps`` AdamW steps of every MoE weight on public batches of ``batch`` (CE + load balance),
     as many public batches as DeepFusion's server draws (K x kd_steps distillation steps and
-    tune_steps tuning steps), so the comparison is on equal server data (issue I)."""
+    tune_steps tuning steps), so the comparison is on equal server data."""
     if steps == 0:
         return {"public_batches": 0}
     moe.to(runtime.device).requires_grad_(True)

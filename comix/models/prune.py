@@ -1,5 +1,5 @@
 """Structured pruning of a Llama-architecture LM into a smaller on-device model (DeepFusion's
-heterogeneous devices, issue E: "smaller depth/width variants derived from SmolLM2").
+heterogeneous devices: "smaller depth/width variants derived from SmolLM2").
 
 Both criteria read one forward pass of a small, fixed *calibration* batch (as ShortGPT and
 LLM-Pruner do): ``calibration_ids`` = 8 windows of 256 tokens of the built-in literature corpus (data/corpora.py)

@@ -1,0 +1,31 @@
+"""Code, tests and docs cite the paper, the authors' file or a doc page, never a work item of the
+tracker ("issue F1"): a later reader has no tracker. And no package file grows past 400 lines: a
+file that long holds more than one thing (split by what the parts do)."""
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).parents[1]
+WORK_ITEM = re.compile(r"\b[Ii]ssues? [A-Z][0-9]?[a-z]?\b|\b[A-Z][0-9]? part [0-9]\b|\bitems? \d+ of issue")
+
+
+def _tree():
+    for pattern in ("comix/**/*.py", "tests/*.py", "bench/*.py", "scripts/*.py", "examples/*.py", "docs/*.md",
+                    "bench/results/*.md", "configs/**/*.yaml", "README.md", "pyproject.toml", ".ci/run"):
+        yield from ROOT.glob(pattern)
+
+
+def test_no_work_item_references():
+    hits = [f"{p.relative_to(ROOT)}:{i}: {line.strip()[:80]}" for p in _tree() if p != pathlib.Path(__file__)
+            for i, line in enumerate(p.read_text().splitlines(), 1) if WORK_ITEM.search(line)]
+    assert hits == []
+
+
+def test_the_pattern_finds_work_items():
+    assert WORK_ITEM.search("the layer (issue F1 part 2)") and WORK_ITEM.search("issue K:")
+    assert WORK_ITEM.search("K part 2: the specs") and not WORK_ITEM.search("Table III, part of the paper")
+
+
+def test_no_package_file_over_400_lines():
+    long = {str(p.relative_to(ROOT)): n for p in (ROOT / "comix").rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 400}
+    assert long == {}
