@@ -243,8 +243,8 @@ def compare(config=None, *overrides: str, methods=None, seeds=None, resume=None,
     """A resumable grid of method specs x seeds (finished runs are skipped); writes compare.md,
     compare.json and the figures, returns {spec: {seed: results}} with the grid's folder as ``.run_dir``."""
     from .comparison import (MANY_USERS, collect, curves, global_model_tables, metric_title, overhead_table,
-                          plot_assignment, plot_curves, plot_global_model, plot_privacy, privacy_table, references,
-                          summary_tables)
+                             privacy_table, references, summary_tables)
+    from .reporting.figures import plot_assignment, plot_curves, plot_global_model, plot_privacy
     from .files import atomic_write
     from .runner import run_spec
     from .specs import spec_dirname

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from comix.algorithms.deepfusion import architecture_of, average_models, cluster_devices, proxy_teachers
+from comix.algorithms.deepfusion_clusters import architecture_of, average_models, cluster_devices, proxy_teachers
 from comix.models.kd import OFABranches, check_same_vocabulary, kd_loss
 from comix.models.prune import block_influence, kept_layers, prune
 from comix.models.upcycle import expert_params, upcycle
@@ -737,7 +737,7 @@ def test_public_data_from_another_corpus_and_a_bad_category_in_one_line(tmp_path
 
 
 def test_the_embedding_map_separates_what_the_clustering_separates():
-    from comix.algorithms.deepfusion import embedding_map
+    from comix.algorithms.deepfusion_clusters import embedding_map
     e = torch.tensor([[1.0, 0.01, 0], [1.0, -0.01, 0], [0, 0.01, 1.0], [0.02, 0, 1.0]])
     pts = torch.tensor(embedding_map(e * torch.tensor([[3.0], [1.0], [2.0], [5.0]])))  # scale-free (cosine)
     assert pts.shape == (4, 2)

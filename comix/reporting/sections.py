@@ -10,7 +10,8 @@ from .records import jsonl, results_of, scoring_rule
 
 
 def results_section(page: Page, runs: dict[str, dict[int, Path]]) -> None:
-    from ..comparison import _mean_std, metric_of, metric_title, privacy_figure, privacy_table, user_table
+    from ..comparison import _mean_std, metric_of, metric_title, privacy_table, user_table
+    from .figures import privacy_figure
     results = results_of(runs)
     title = metric_title([r for by in results.values() for r in by.values()])
     private = any(r.get("epsilon") is not None for by in results.values() for r in by.values())

@@ -14,7 +14,7 @@ from .sections import _slug
 
 
 def server_section(page: Page, runs: dict[str, dict[int, Path]]) -> None:
-    from ..comparison import plot_assignment
+    from .figures import plot_assignment
     from matplotlib.ticker import MaxNLocator
     plt = plt_()
     for spec, by in runs.items():
