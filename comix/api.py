@@ -83,7 +83,7 @@ class CompareResults(dict):
 
 
 CONFIG_LOCK = "config.lock.json"  # the settings a run started with: --resume must match them
-RESUME_MAY_CHANGE = {"threads", "keep_checkpoints", "run_dir"}  # change no number of the run
+RESUME_MAY_CHANGE = {"threads", "keep_checkpoints", "run_dir", "train.tensorboard"}  # change no number of the run
 CALIBRATED = "calibrated."  # lock keys of what the run derived (e.g. the noise of a target epsilon), not set
 
 
@@ -297,20 +297,20 @@ def compare(config=None, *overrides: str, methods=None, seeds=None, resume=None,
 def export(run_dir, user: str | None, out, method: str | None = None, merged: bool = False,
            static: bool = False, with_base: bool | None = None) -> Path:
     """``user``'s model of a finished run (PEFT folders where the method has them) or the run's
-    global model (DeepFusion, FedJETS; ``user`` None), with a manifest (comix/personal.py); returns ``out``."""
+    global model (DeepFusion, FedJETS; ``user`` None), with a manifest (comix/personal/); returns ``out``."""
     from .personal import export_personal
     return export_personal(Path(run_dir), user, Path(out), method=method, merged=merged, static=static,
                            with_base=with_base)
 
 
 def load_personal(folder, base=None):
-    """(model, tokenizer) of an exported user model, exactly as the run left it (comix/personal.py)."""
+    """(model, tokenizer) of an exported user model, exactly as the run left it (comix/personal/)."""
     from .personal import load_personal as load
     return load(folder, base)
 
 
 def report(run_dir, routing: bool = True) -> tuple[Path, Path]:
-    """report.html and report.md of a run, compare or method folder (comix/reporting.py), with the
+    """report.html and report.md of a run, compare or method folder (comix/reporting/), with the
     token routing maps unless ``routing=False``; returns their paths."""
     from .reporting import write_report
     return write_report(Path(run_dir), routing=routing)

@@ -115,6 +115,9 @@ class RunConfig:
                               f"got {t.clients_per_round} and {t.client_fraction}")
         if t.router_steps < 0:
             raise ConfigError(f"train.router_steps must be >= 0, got {t.router_steps}")
+        if t.tensorboard:
+            from .tracking import check_tensorboard
+            check_tensorboard()
         if not t.eval_splits or any(s not in ("valid", "test") for s in t.eval_splits):
             raise ConfigError(f"train.eval_splits must list valid and/or test, got {t.eval_splits}")
         from .runtime import PRECISIONS

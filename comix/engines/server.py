@@ -34,6 +34,7 @@ from ..algorithms import Algorithm, tensor_bytes
 from ..algorithms.base import Tensors
 from ..files import atomic_write
 from ..privacy import GaussianSumNoise, epsilon_after, privacy_record, sampling_of
+from ..tracking import TensorBoardLog
 
 log = logging.getLogger("comix.server")
 
@@ -157,6 +158,7 @@ def serve(algorithm: Algorithm, transport: Transport, users: list[str], out_dir:
         metrics_path.write_text("")
         server_path.write_text("")
 
+    board = TensorBoardLog(out_dir, purge_from=start + 1 if start else None) if train.tensorboard else None
     total_up = sum(json.loads(ln).get("bytes_up", 0) for ln in metrics_path.read_text().splitlines())
     seen = {s for ln in server_path.read_text().splitlines() for s in json.loads(ln).get("signatures", {})}
     for rnd in range(start, train.rounds):
@@ -227,6 +229,8 @@ def serve(algorithm: Algorithm, transport: Transport, users: list[str], out_dir:
         total_up += sum(r.get("bytes_up", 0) for r in lines)
         with open(metrics_path, "a") as fh:
             fh.writelines(json.dumps(r) + "\n" for r in lines)
+        if board:
+            board.log_rows(lines)
         ck = {"round": rnd + 1, "server_state": server_state, "payloads": payloads, "reference": reference,
               "clients": transport.snapshot(), "torch_rng": torch.get_rng_state()}
         atomic_write(ckpt_path, lambda p: torch.save(ck, p))
@@ -237,6 +241,8 @@ def serve(algorithm: Algorithm, transport: Transport, users: list[str], out_dir:
                       "train_loss": sum(losses) / max(1, len(losses)),
                       "metric": next((k for k, _ in filter(None, scores)), None),
                       "scores": [sc[1] if sc else None for sc in scores]})
+    if board:
+        board.close()
     rows = [json.loads(ln) for ln in server_path.read_text().splitlines()]
     record = privacy_record(rows, algorithm.name, algorithm.privacy, sampling_of(n_clients, train),
                             algorithm.dp_refusal(), algorithm.dp_exempt)
