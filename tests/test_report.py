@@ -49,7 +49,7 @@ def test_the_page_loads_in_headless_chromium_with_every_image_decoded(run, tmp_p
     webdriver = pytest.importorskip("selenium.webdriver")
     main(["report", str(run)])
     opts = webdriver.ChromeOptions()
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1200,2400"):
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1280,2400"):
         opts.add_argument(arg)
     opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     from selenium.webdriver.chrome.service import Service

@@ -78,6 +78,9 @@ def privacy_figure(results: dict[str, dict[int, dict]]):
         if method in free:
             ax.axhline(free[method], ls="--", color=line.get_color(), lw=1, label=f"{method}, no DP")
     ax.set_xscale("log")
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+    ax.xaxis.set_major_formatter(ScalarFormatter())  # 2.5, not 2.5 x 10^0
+    ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("epsilon after the last round (log)")
     ax.set_ylabel(metric_title([r for by in results.values() for r in by.values()]))
     ax.legend(fontsize=8)
