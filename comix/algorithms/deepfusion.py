@@ -297,7 +297,7 @@ class DeepFusion(Algorithm):
         opt = torch.optim.AdamW([{"params": list(student.parameters()), "lr": self.kd_lr},
                                  {"params": feature_params, "lr": self.feature_lr}], weight_decay=0.0)
         scaler = rt.grad_scaler()
-        log, aligned = {"ce": [], "fm": [], "kl": []}, []
+        log, aligned = {"ce": [], "fm": [], "kl": []}, {}  # teacher index -> aligned share per step
         for j in range(self.kd_steps):
             phase_step("distillation steps", j, self.kd_steps)
             x, y = sample_batch(public, self.kd_batch, t.seq_len, gen)
@@ -305,7 +305,7 @@ class DeepFusion(Algorithm):
             with rt.autocast():
                 s_out = student(input_ids=x, output_hidden_states=True)
                 total = s_out.logits.new_zeros((), dtype=torch.float32)
-                for (teacher, w), extra, aligner in zip(teachers, extras, aligners):
+                for ti, ((teacher, w), extra, aligner) in enumerate(zip(teachers, extras, aligners)):
                     dist = mask = None
                     with torch.no_grad():
                         if aligner is None:
@@ -316,7 +316,7 @@ class DeepFusion(Algorithm):
                             t_out = teacher(input_ids=tx.to(rt.device), attention_mask=mask, output_hidden_states=True)
                             dist, share = aligner.targets(x, y, t_out.logits, rows, s_out.logits.shape[-1],
                                                           self.temperature)
-                            aligned.append(share)
+                            aligned.setdefault(ti, []).append(share)
                     terms = kd_loss(s_out, t_out, y, extra if self.feature == "vaa" else None, self.stages,
                                     self.alpha, self.beta, self.temperature, extra if self.feature == "ofa" else None,
                                     teacher_dist=dist, teacher_mask=mask)
@@ -329,7 +329,12 @@ class DeepFusion(Algorithm):
                     for k, v in log.items()}
         out = {**{k: round(sum(v) / max(1, self.kd_steps), 4) for k, v in log.items()}, "steps": per_step}
         if aligned:  # the share of student steps that got a cross-tokenizer teacher's distribution
-            out["aligned_share"] = round(sum(aligned) / len(aligned), 4)
+            shares = {ti: sum(v) / len(v) for ti, v in aligned.items()}
+            out["aligned_share"] = round(sum(shares.values()) / len(shares), 4)
+            out["aligned_share_per_teacher"] = {str(ti): round(v, 4) for ti, v in shares.items()}
+            logging.getLogger("comix.deepfusion").info(
+                "cross-tokenizer teachers: share of student steps aligned one-to-one: %s",
+                ", ".join(f"teacher {ti} {v:.1%}" for ti, v in shares.items()))
         return out
 
     def _aligner(self, teacher: nn.Module, student: nn.Module) -> CrossTokenizerTeacher | None:

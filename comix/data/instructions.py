@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from .corpora import BUILTIN_DIR
+from ..tokens import leading_special_ids
 from .partition import dirichlet_mixtures
 
 ALPACA_INPUT = ("Below is an instruction that describes a task, paired with an input that provides further context. "
@@ -94,14 +95,16 @@ class InstructionSplit:
 
 
 def tokenize_examples(examples: list[Example], tokenizer, max_len: int = 512) -> InstructionSplit:
-    """Prompt + output + EOS, cut to ``max_len`` from the prompt's start (the target is kept:
-    a too long prompt loses its beginning)."""
+    """[BOS where the tokenizer adds it] + prompt + output + EOS, cut to ``max_len`` from the
+    prompt's start (the target and BOS are kept: a too long prompt loses its beginning)."""
     ids, labels = [], []
+    lead = leading_special_ids(tokenizer)  # BOS where the tokenizer puts it (comix/tokens.py)
     for ex in examples:
         p = tokenizer(ex.prompt(), add_special_tokens=False)["input_ids"]
         t = tokenizer(ex.output, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        t = t[:max_len - 1]
-        p = p[-(max_len - len(t)):]
+        t = t[:max_len - 1 - len(lead)]
+        keep = max(0, max_len - len(t) - len(lead))
+        p = lead + p[max(0, len(p) - keep):] if keep else lead
         ids.append(torch.tensor(p + t, dtype=torch.long))
         labels.append(torch.tensor([-100] * len(p) + t, dtype=torch.long))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -29,6 +29,7 @@ import torch
 from .corpora import Corpus
 from .instructions import (InstructionSet, client_splits, dirichlet_label_skew, task_per_client,
                            tokenize_examples)
+from ..tokens import leading_special_ids
 from .partition import dirichlet_mixtures
 
 
@@ -113,14 +114,17 @@ def tokenize_docs(docs: list[str], tokenizer) -> torch.Tensor:
     """Concatenate documents with EOS between them; cached by tokenizer and text hash."""
     h = hashlib.sha1()
     h.update(f"{getattr(tokenizer, 'name_or_path', '')}|{len(tokenizer)}|{tokenizer.eos_token_id}".encode())
+    if leading_special_ids(tokenizer):  # (SmolLM2's and GPT-2's streams, with none, keep their cache key)
+        h.update(f"|bos{leading_special_ids(tokenizer)}".encode())
     for d in docs:
         h.update(hashlib.sha1(d.encode()).digest())
     path = _cache_path(h.hexdigest())
     if path.exists():
         return torch.load(path)
-    eos = tokenizer.eos_token_id
-    ids: list[int] = []
+    eos, lead = tokenizer.eos_token_id, leading_special_ids(tokenizer)  # BOS per document where the
+    ids: list[int] = []                                                   # tokenizer adds one (comix/tokens.py)
     for enc in tokenizer(docs, add_special_tokens=False)["input_ids"]:
+        ids.extend(lead)
         ids.extend(enc)
         ids.append(eos)
     out = torch.tensor(ids, dtype=torch.int32)

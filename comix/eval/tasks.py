@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..runtime import to_cpu
+from ..tokens import leading_special_ids
 
 
 @functools.cache
@@ -28,7 +29,7 @@ def rouge_l(prediction: str, reference: str) -> float:
 def continuation_losses(model, tokenizer, prompt: str, continuations: list[str]) -> torch.Tensor:
     """Mean token NLL of each continuation after ``prompt`` (one batch, right-padded)."""
     device = model.get_input_embeddings().weight.device
-    p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    p = leading_special_ids(tokenizer) + tokenizer(prompt, add_special_tokens=False)["input_ids"]
     seqs = [p + tokenizer(c, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for c in continuations]
     width = max(map(len, seqs))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

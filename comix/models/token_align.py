@@ -56,11 +56,38 @@ def reads_other_tokens(model, tokenizer: str) -> bool:
     return own is not None and str(own) != str(tokenizer)
 
 
+def token_decoder(tokenizer):
+    """``tokenizer``'s decoder (a fast tokenizer's) without the steps that drop a text's leading
+    space: SentencePiece-converted tokenizers (Llama-2, TinyLlama, Mistral) end it with
+    ``Strip(' ', 1, 0)`` or a ``Metaspace`` that skips the first word's space, so "▁hello"
+    decoded alone became "hello" and never met the student's " hello". Without them every token
+    reads as its surface form with its space (FuseLLM / FedMKT compare surface forms too, their
+    '▁' / 'Ġ' markers made one)."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    state = json.loads(tokenizer.backend_tokenizer.to_str())
+    if state.get("decoder") is None:
+        return None
+
+    def keep(d: dict) -> dict | None:
+        if d.get("type") == "Strip":
+            return None
+        if d.get("type") == "Metaspace":
+            d = {**d, "prepend_scheme": "never", "add_prefix_space": False}
+        if d.get("type") == "Sequence":
+            d = {**d, "decoders": [k for k in map(keep, d["decoders"]) if k is not None]}
+        return d
+    state["decoder"] = keep(state["decoder"])
+    return Tokenizer.from_str(json.dumps(state)).decoder
+
+
 @functools.lru_cache(maxsize=8)
 def token_texts(tokenizer) -> tuple[str, ...]:
     """The text of every token id of ``tokenizer`` (a fast tokenizer), read through its decoder
-    alone (module docstring); cached per tokenizer."""
-    decoder = tokenizer.backend_tokenizer.decoder
+    alone, leading space kept (``token_decoder``; module docstring); cached per tokenizer."""
+    decoder = token_decoder(tokenizer)
     tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
     if decoder is None:
         return tuple(tokens)
