@@ -115,6 +115,9 @@ class RunConfig:
                               f"got {t.clients_per_round} and {t.client_fraction}")
         if t.router_steps < 0:
             raise ConfigError(f"train.router_steps must be >= 0, got {t.router_steps}")
+        from .eval.tasks import ROUGE
+        if t.rouge not in ROUGE:
+            raise ConfigError(f"train.rouge must be one of {', '.join(ROUGE)}, got {t.rouge!r}")
         if t.tensorboard:
             from .tracking import check_tensorboard
             check_tensorboard()

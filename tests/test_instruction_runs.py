@@ -203,3 +203,22 @@ def test_evaluation_runs_without_dropout_and_restores_the_mode(tok):
     model.train()
     first, second = evaluate(model, users[0], train), evaluate(model, users[0], train)
     assert first == second and set(first) == {"valid_ppl", "test_ppl", "test_acc"} and model.training
+
+
+@pytest.mark.parametrize("rouge", ["rouge", "rouge-score"])
+def test_a_generation_client_reports_the_chosen_rouge_and_the_other_beside_it(tok, rouge, monkeypatch):
+    """``train.rouge`` picks the run's metric (default: the authors' ``rouge`` package); the same
+    generations scored by the other implementation are reported beside it. The planted answers are
+    the references upper-cased: 0 for the case-sensitive package, 100 for rouge_score."""
+    from comix.engines.device import evaluate
+    from comix.eval import tasks
+    model, _ = load_base_model("tiny-llama")
+    user = make_user_data(load_corpus("instructions"), tok, SplitConfig(clients=2, test_examples=3))[0]
+    monkeypatch.setattr(tasks, "generate_split", lambda m, split, *a, **k: [ex.output.upper() for ex in split.examples])
+    out = evaluate(model, user, TrainConfig(max_new_tokens=4, eval_splits=["test"], rouge=rouge))
+    other = "rouge-score" if rouge == "rouge" else "rouge"
+    by = {impl: 100 * sum(tasks.rouge_l(ex.output.upper(), ex.output, impl) for ex in user.test.examples) / 3
+          for impl in ("rouge", "rouge-score")}
+    assert by["rouge-score"] == pytest.approx(100.0) and by["rouge"] < 50  # case-sensitive: far apart
+    assert out["test_rouge_l"] == pytest.approx(by[rouge])
+    assert out[f"test_rouge_l_{other.replace('-', '_')}"] == pytest.approx(by[other])

@@ -6,11 +6,30 @@ from comix.eval.tasks import choice_accuracy, continuation_losses, mta, rouge_l
 from comix.models import load_base_model
 
 
-def test_rouge_l_on_hand_made_pairs():
-    assert rouge_l("the cat sat on the mat", "the cat sat on the mat") == pytest.approx(1.0)
-    assert rouge_l("dogs bark", "the cat sat on the mat") == 0.0
-    # LCS "the cat mat" = 3 of 4 predicted and 6 reference tokens: P 3/4, R 3/6, F = 2PR/(P+R) = 0.6
-    assert rouge_l("the cat on mat", "the cat sat upon the mat") == pytest.approx(0.6)
+@pytest.mark.parametrize("impl", ["rouge", "rouge-score"])
+def test_rouge_l_on_hand_made_pairs(impl):
+    assert rouge_l("the cat sat on the mat", "the cat sat on the mat", impl) == pytest.approx(1.0)
+    assert rouge_l("dogs bark", "the cat sat on the mat", impl) == 0.0
+    # LCS "the cat mat" = 3 of 4 predicted and 6 reference tokens: P 3/4, R 3/6, F = 2PR/(P+R) = 0.6;
+    # the authors' package counts *distinct* words (its Ngrams are sets): R 3/5, so F = 2/3
+    want = 2 / 3 if impl == "rouge" else 0.6
+    assert rouge_l("the cat on mat", "the cat sat upon the mat", impl) == pytest.approx(want, rel=1e-6)
+    assert rouge_l("", "the cat", impl) == 0.0
+
+
+def test_the_authors_rouge_is_case_sensitive_and_splits_sentences_on_periods():
+    """The authors' ``rouge`` 1.0.1 (the default) keeps case and punctuation in whitespace tokens
+    and takes a summary-level LCS over '.'-split sentences; ``rouge_score`` lower-cases and drops
+    punctuation: the same pair scores differently, by hand."""
+    # '.' ends a sentence ("mat." reads "mat") but "The" != "the": LCS = cat sat on the mat, 5 of
+    # the prediction's 5 distinct words and the reference's 6: P 1, R 5/6, F = 2PR/(P+R) = 10/11
+    assert rouge_l("the cat sat on the mat", "The cat sat on the mat.", "rouge") == pytest.approx(10 / 11, rel=1e-6)
+    assert rouge_l("the cat sat on the mat", "The cat sat on the mat.", "rouge-score") == pytest.approx(1.0)
+    # summary level: each reference sentence's union LCS with the prediction's sentences (two
+    # sentences of 3 tokens, each found whole in the one-sentence prediction): R = P = 6/6
+    assert rouge_l("a b c d e f", "a b c. d e f", "rouge") == pytest.approx(1.0, rel=1e-6)
+    assert rouge_l("d e f a b c", "a b c. d e f", "rouge") == pytest.approx(1.0, rel=1e-6)
+    assert rouge_l("d e f a b c", "a b c. d e f", "rouge-score") == pytest.approx(0.5)
 
 
 def test_continuation_losses_match_a_manual_computation_and_pick_the_lowest():

@@ -76,6 +76,7 @@ class TrainConfig:
     eval_batch_size: int = 8
     eval_splits: list[str] = field(default_factory=lambda: ["valid", "test"])
     max_new_tokens: int = 128       # generation tasks: greedy answer length cap (FedAMoLE's evaluator)
+    rouge: str = "rouge"            # Rouge-L of generations: rouge (the authors' package) | rouge-score (eval/tasks.py)
     tensorboard: bool = False       # also TensorBoard event files per method and user (comix/tracking.py)
 
 

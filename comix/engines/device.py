@@ -151,7 +151,9 @@ def evaluate(model: nn.Module, user: UserData, train, runtime: Runtime = Runtime
             if "test" in train.eval_splits and user.task == "classification":
                 out["test_acc"] = split_accuracy(model, user.test, user.choices, batch_size)
             elif "test" in train.eval_splits and user.task == "generation":
-                out["test_rouge_l"] = split_rouge_l(model, user.test, train.max_new_tokens, batch_size)
+                scores = split_rouge_l(model, user.test, train.max_new_tokens, batch_size)
+                out["test_rouge_l"] = scores[train.rouge]  # the run's metric; the other beside it
+                out.update({f"test_rouge_l_{k.replace('-', '_')}": v for k, v in scores.items() if k != train.rouge})
     finally:
         model.train(was_training)
     if mixtures(model):  # mean gate per layer and expert on one validation batch

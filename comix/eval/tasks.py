@@ -1,6 +1,6 @@
 """Task metrics of instruction tuning (FedAMoLE Sec. V-A-5): accuracy for classification (the
-label whose continuation has the lowest LM loss), Rouge-L (``rouge-score``) of greedy
-generations for generation tasks; MTA[t] = mean over clients of a round's metric, MTAL = MTA of
+label whose continuation has the lowest LM loss), Rouge-L (the authors' ``rouge`` package by
+default, ``rouge_score`` beside it) of greedy generations for generation tasks; MTA[t] = mean over clients of a round's metric, MTAL = MTA of
 the last round (eq. 29-30).
 """
 from __future__ import annotations
@@ -14,15 +14,32 @@ from ..runtime import to_cpu
 from ..tokens import leading_special_ids
 
 
+ROUGE = ("rouge", "rouge-score")  # the authors' package (default), Google's rouge_score
+
+
 @functools.cache
-def _scorer():
+def _scorer(impl: str):
+    if impl == "rouge":
+        from rouge import Rouge
+        return Rouge()
     from rouge_score import rouge_scorer
     return rouge_scorer.RougeScorer(["rougeL"])
 
 
-def rouge_l(prediction: str, reference: str) -> float:
-    """Rouge-L F-measure (``rouge_score``'s, as the FedAMoLE and FedIT evaluations use)."""
-    return _scorer().score(reference, prediction)["rougeL"].fmeasure
+def rouge_l(prediction: str, reference: str, impl: str = "rouge") -> float:
+    """Rouge-L F-measure. ``impl="rouge"``: the ``rouge`` package (1.0.1), as FedAMoLE's authors
+    score (``evaluation.py``: ``Rouge().get_scores(hyp, ref)[0]['rouge-l']['f']``, 0 for an empty
+    generation or whatever the package refuses): summary-level LCS over sentences split on '.',
+    whitespace tokens, case-sensitive. ``impl="rouge-score"``: Google's ``rouge_score`` rougeL
+    (one LCS over the whole text, lower-cased, punctuation dropped), as FedIT's evaluation uses."""
+    if impl == "rouge":
+        if not prediction:
+            return 0.0
+        try:
+            return float(_scorer("rouge").get_scores(prediction, reference)[0]["rouge-l"]["f"])
+        except (ValueError, RecursionError):  # an empty reference or a text the package cannot split
+            return 0.0
+    return _scorer("rouge-score").score(reference, prediction)["rougeL"].fmeasure
 
 
 @torch.inference_mode()
@@ -120,10 +137,12 @@ def generate_split(model, split, max_new_tokens: int = 128, batch_size: int = 8)
     return texts
 
 
-def split_rouge_l(model, split, max_new_tokens: int = 128, batch_size: int = 8) -> float:
-    """Mean Rouge-L F (%) of greedy generations against the references."""
+def split_rouge_l(model, split, max_new_tokens: int = 128, batch_size: int = 8) -> dict[str, float]:
+    """Mean Rouge-L F (%) of greedy generations against the references, by each implementation of
+    ``ROUGE`` (the same generations scored both ways, so their difference is measured)."""
     gens = generate_split(model, split, max_new_tokens, batch_size)
-    return 100.0 * sum(rouge_l(g, ex.output) for g, ex in zip(gens, split.examples)) / max(1, len(split))
+    return {impl: 100.0 * sum(rouge_l(g, ex.output, impl) for g, ex in zip(gens, split.examples)) / max(1, len(split))
+            for impl in ROUGE}
 
 
 @torch.inference_mode()
