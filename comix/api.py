@@ -83,7 +83,9 @@ class CompareResults(dict):
 
 
 CONFIG_LOCK = "config.lock.json"  # the settings a run started with: --resume must match them
-RESUME_MAY_CHANGE = {"threads", "keep_checkpoints", "run_dir", "train.tensorboard"}  # change no number of the run
+# keys that change no number of the run; explicit_train is derived from config.yaml (a run saved
+# before it existed reloads with every train key explicit: its own optimiser, not a method default)
+RESUME_MAY_CHANGE = {"threads", "keep_checkpoints", "run_dir", "train.tensorboard", "explicit_train"}
 CALIBRATED = "calibrated."  # lock keys of what the run derived (e.g. the noise of a target epsilon), not set
 
 

@@ -214,3 +214,29 @@ def _device_memory(run_dir: Path, spec: str, seeds: list[int]) -> dict[str, floa
             if "device_model" in row:
                 memory[row["device_model"]] = row["trainable_mb"]
     return memory
+
+
+def assignment_churn(rows: list[dict]) -> list[float]:
+    """Per round after the first, the share of the domain experts a client trained that it had
+    not trained the round before (mean over clients and modules), read from the upload listings
+    in server.jsonl (an expert's tensors name its global id: ``...experts.<id>.lora_A``). FedMoLE
+    keeps round 1's assignment (0 after it); FedAMoLE re-solves every round."""
+    import re
+    listings = {sig: lst for r in rows for sig, lst in r.get("signatures", {}).items()}
+    held = []  # per round: {client: {module: set of expert ids}}
+    for r in rows:
+        per_client = {}
+        for c, up in r.get("uploads", {}).items():
+            mods: dict[str, set] = {}
+            for name, *_ in listings.get(up["sig"], []):
+                m = re.match(r"(.+)\.experts\.(\d+)\.lora_A$", name)
+                if m:
+                    mods.setdefault(m.group(1), set()).add(int(m.group(2)))
+            per_client[c] = mods
+        held.append(per_client)
+    out = []
+    for prev, now in zip(held, held[1:]):
+        shares = [len(ids - prev[c].get(mod, set())) / len(ids) for c, mods in now.items() if c in prev
+                  for mod, ids in mods.items() if ids]
+        out.append(statistics.fmean(shares) if shares else float("nan"))
+    return out

@@ -87,6 +87,9 @@ class RunConfig:
     deepfusion: object = field(default_factory=SECTIONS["deepfusion"])
     fedjets: object = field(default_factory=SECTIONS["fedjets"])
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)  # client-level DP (comix/privacy.py)
+    # the train.* keys the recipe or command line set (written by comix into a run's config.yaml):
+    # every other optimiser key takes the method's own default (Algorithm.train_defaults)
+    explicit_train: list[str] = field(default_factory=list)
 
     def options(self, method: str) -> dict:
         """The config section of ``method`` as keyword options (empty when it has none)."""
@@ -231,7 +234,7 @@ def method_list(text: str) -> list[str]:
 
 def load_config(path: str | None = None, overrides: list[str] = (), text: str | None = None) -> RunConfig:
     """A validated RunConfig from a YAML file (or YAML ``text``, e.g. sent to a Flower device)."""
-    cfg = RunConfig()
+    cfg, explicit = RunConfig(), set()
     if path or text is not None:
         if text is None:
             if not Path(path).exists():
@@ -248,6 +251,8 @@ def load_config(path: str | None = None, overrides: list[str] = (), text: str | 
             raise ConfigError(f"{where} must hold a mapping of keys")
         for k, v in raw.items():
             _set(cfg, k, v)
+        if "explicit_train" not in raw:  # a recipe: its train keys are the user's (a run's config.yaml lists its own)
+            explicit |= set(raw.get("train") or {}) | {k[6:] for k in raw if k.startswith("train.")}
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key=value")
@@ -260,6 +265,11 @@ def load_config(path: str | None = None, overrides: list[str] = (), text: str | 
             except yaml.YAMLError:
                 value = v
         _set(cfg, k.strip(), value)
+        if k.strip() == "train" and isinstance(value, dict):
+            explicit |= set(value)
+        elif k.strip().startswith("train."):
+            explicit.add(k.strip()[6:].split(".")[0])
+    cfg.explicit_train = sorted(set(cfg.explicit_train) | explicit)
     try:
         for sec in (cfg.data, cfg.train, cfg.lora):  # re-run dataclass checks after edits
             if hasattr(sec, "__post_init__"):

@@ -27,9 +27,13 @@ def split_spec(spec: str) -> tuple[str, list[str]]:
 def spec_config(cfg: RunConfig, spec: str) -> RunConfig:
     """A copy of ``cfg`` with the spec's options applied."""
     from .algorithms import section_of
+    from .algorithms import REGISTRY
     name, items = split_spec(spec)
     out = copy.deepcopy(cfg)
     section = section_of(name)
+    for key, value in REGISTRY[name][0].train_defaults.items():  # the method's authors' optimiser,
+        if key not in cfg.explicit_train:                         # unless the user set the key
+            setattr(out.train, key, copy.deepcopy(value))
     for item in items:
         if "=" not in item:
             raise ConfigError(f"method {spec!r}: option {item!r} must look like key=value")

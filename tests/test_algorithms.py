@@ -370,3 +370,49 @@ def test_expert_schedule_and_optimizer_follow_the_authors_code():
     opt = make_optimizer([("p", p)], ClientState(adapters={}), "experts", train)
     assert opt.defaults["betas"] == (0.9, 0.95) and opt.defaults["weight_decay"] == 0.01
     assert train.grad_clip == 0 and train.warmup_frac == 0
+
+
+def _effective(method, *overrides, path=None):
+    from comix.config import load_config
+    from comix.specs import spec_config
+    return spec_config(load_config(path, [f"methods=[{method}]", *overrides]), method).train
+
+
+OPTIMIZER_KEYS = ("lr", "schedule", "lr_decay", "weight_decay", "betas", "optimizer_state")
+FEDAMOLE_FAMILY = {"fedamole", "fedamole-random", "fedamole-vanilla", "fedamole-vanilla-random", "fedamole-r",
+                   "fedamole-a", "fedmole", "fedamole-s", "fedamole-h", "fedit", "fedit-ft", "fedprompt",
+                   "fedprompt-ft", "fedptuning", "fedptuning-ft", "fdlora-fedamole"}
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_each_method_s_effective_optimiser_and_its_source(method):
+    """Without a recipe a method trains with its authors' optimiser: FedAMoLE and the baselines of
+    its paper with Adam 5e-5 decayed x0.99 a round, fresh each round (journal Sec. V-A-4, node.py);
+    every other method with CoMiGS's (App. B.1). A key the user sets wins, on the command line or
+    in a recipe."""
+    from comix.algorithms import REGISTRY
+    got = {k: getattr(_effective(method), k) for k in OPTIMIZER_KEYS}
+    cls = REGISTRY[method][0]
+    if method in FEDAMOLE_FAMILY:
+        assert got == dict(lr=5e-5, schedule="round_decay", lr_decay=0.99, weight_decay=0.0, betas=[0.9, 0.999],
+                           optimizer_state="round")
+        assert "FedAMoLE journal Sec. V-A-4" in cls.train_defaults_source
+    else:
+        assert got == dict(lr=2e-3, schedule="cosine", lr_decay=0.99, weight_decay=0.01, betas=[0.9, 0.95],
+                           optimizer_state="run")
+        assert "CoMiGS App. B.1" in cls.train_defaults_source
+    assert _effective(method, "train.lr=0.01", "train.betas=[0.8,0.9]").lr == 0.01
+    assert _effective(method, "train.betas=[0.8,0.9]").betas == [0.8, 0.9]
+
+
+def test_a_recipe_s_train_keys_and_a_run_s_saved_config_keep_their_optimiser(tmp_path):
+    from comix.config import load_config, to_dict
+    import yaml
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("methods: [fedamole]\ntrain: {lr: 0.001, local_steps: 2}\n")
+    t = _effective("fedamole", path=str(recipe))
+    assert t.lr == 0.001 and t.weight_decay == 0.0  # the recipe's lr; the method's other defaults
+    saved = tmp_path / "config.yaml"  # what a run writes, reloaded on --resume or by a Flower device
+    saved.write_text(yaml.safe_dump(to_dict(load_config(str(recipe)))))
+    again = _effective("fedamole", path=str(saved))
+    assert {k: getattr(again, k) for k in OPTIMIZER_KEYS} == {k: getattr(t, k) for k in OPTIMIZER_KEYS}

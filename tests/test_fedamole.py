@@ -319,3 +319,15 @@ def test_dp_noise_reaches_every_expert_mean_scaled_by_its_holders_and_spares_the
         assert diff.std().item() == pytest.approx(std / holders, rel=0.3)
     shared = f"{M}.shared.lora_A"
     assert (noisy["shared"][shared] - clean["shared"][shared]).std().item() == pytest.approx(std / 3, rel=0.3)
+
+
+def test_assignment_churn_counts_the_experts_a_client_did_not_train_the_round_before():
+    from comix.comparison import assignment_churn
+
+    def listing(*ids, mod="m.q"):
+        return [[f"{mod}.experts.{i}.lora_A", [2, 4], "float32"] for i in ids] + [[f"{mod}.shared.lora_A", [2, 4], "float32"]]
+    rows = [{"round": 1, "signatures": {"a": listing(1, 2), "b": listing(3, 4)},
+             "uploads": {"0": {"sig": "a", "bytes": 1}, "1": {"sig": "b", "bytes": 1}}},
+            {"round": 2, "signatures": {"c": listing(1, 5)},  # client 0 keeps 1, gets 5; client 1 keeps both
+             "uploads": {"0": {"sig": "c", "bytes": 1}, "1": {"sig": "b", "bytes": 1}}}]
+    assert assignment_churn(rows) == [pytest.approx((0.5 + 0.0) / 2)]

@@ -78,6 +78,12 @@ class Algorithm:
     # ``dp_refusal`` says why a method cannot offer it.
     dp_aggregate = False
     dp_refusal_reason: str | None = None
+    # The method's own optimiser where its authors give one: these train.* keys replace comix's
+    # defaults (CoMiGS App. B.1, TrainConfig) unless the user's recipe or command line sets them
+    # (specs.spec_config); ``train_defaults_source`` says where they come from.
+    train_defaults: dict = {}
+    train_defaults_source = "CoMiGS App. B.1 (AdamW 2e-3, decay 0.01, betas (0.9, 0.95), one-cycle cosine), " \
+                            "comix's TrainConfig defaults"
 
     def __init__(self, lora: LoRAConfig, train: TrainConfig, n_clients: int):
         self.lora, self.train, self.n_clients = lora, train, n_clients

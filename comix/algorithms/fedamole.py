@@ -54,7 +54,7 @@ from ..models import AdapterConfig, mixtures
 from ..models.amole import AMoLEConfig, AMoLELinear, amole_load_balance
 from ..runtime import to_cpu
 from .base import Algorithm, ClientContext, ClientState, Tensors
-from .training import adapter_tensors, held_out
+from .training import FEDAMOLE_OPTIMIZER, FEDAMOLE_OPTIMIZER_SOURCE, adapter_tensors, held_out
 from .rsea import assign, assign_by_relevance, check_feasible, random_assignment
 
 _EXPERT = re.compile(r"^(?P<module>.+)\.experts\.(?P<id>\d+)\.lora_(?P<ab>[AB])$")
@@ -70,6 +70,7 @@ def amole_modules(model: nn.Module) -> dict[str, AMoLELinear]:
 
 class FedAMoLE(Algorithm):
     name = "fedamole"
+    train_defaults, train_defaults_source = FEDAMOLE_OPTIMIZER, FEDAMOLE_OPTIMIZER_SOURCE
     # DP: shared tensors and each expert are means through ``aggregate`` (noise on every sum); the
     # RSEA embeddings are per-client statistics, outside the clip and the epsilon (privacy.md says
     # so); the authors' --apply_dp --dp_eta noise on them is ``embed_noise``, not accounted.

@@ -2,6 +2,7 @@
 uniform weights (CoMiGS Sec. 4.2); 2x LoRA modules to match CoMiGS-1G1S's trainable size."""
 from ..models import AdapterConfig, LoRAConfig
 from .base import Algorithm
+from .training import FEDAMOLE_OPTIMIZER, FEDAMOLE_OPTIMIZER_SOURCE
 
 
 class FedAvg(Algorithm):
@@ -16,6 +17,7 @@ class FedIT(FedAvg):
     block (r 8, alpha 16, PEFT's scaling alpha / r, dropout 0.05: FedAMoLE Sec. V-A-4), averaged
     with FedAvg; no adapter on the MLP."""
     name = "fedit"
+    train_defaults, train_defaults_source = FEDAMOLE_OPTIMIZER, FEDAMOLE_OPTIMIZER_SOURCE
     lora_modules = 1
 
     def adapter_config(self, client: int) -> AdapterConfig:

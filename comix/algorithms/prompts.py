@@ -13,10 +13,12 @@ from ..data.instructions import SOFT_PROMPT_GENERATION
 from ..models import AdapterConfig
 from ..models.inject import PromptConfig
 from .fedavg import FedAvg
+from .training import FEDAMOLE_OPTIMIZER, FEDAMOLE_OPTIMIZER_SOURCE
 
 
 class FedPrompt(FedAvg):
     name = "fedprompt"
+    train_defaults, train_defaults_source = FEDAMOLE_OPTIMIZER, FEDAMOLE_OPTIMIZER_SOURCE
     section = "fedprompt"
     kind = "tuning"
 

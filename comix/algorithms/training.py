@@ -80,6 +80,15 @@ class TrainConfig:
     tensorboard: bool = False       # also TensorBoard event files per method and user (comix/tracking.py)
 
 
+# FedAMoLE journal Sec. V-A-4: "the Adam optimizer with ... a learning rate 5e-5 ... and a learning
+# rate decay of 0.99 per round" (Adam = AdamW without decay; torch's betas, as the authors'
+# node.py builds torch.optim.Adam with defaults), a fresh optimiser every round (node.py
+# Client.train_experts). Its baselines (FedIT, FedPrompt, FedPTuning, FDLoRA) share it (Sec. V-A-4).
+FEDAMOLE_OPTIMIZER = dict(lr=5e-5, schedule="round_decay", lr_decay=0.99, weight_decay=0.0, betas=[0.9, 0.999],
+                          optimizer_state="round")
+FEDAMOLE_OPTIMIZER_SOURCE = "FedAMoLE journal Sec. V-A-4 (Adam 5e-5, x0.99 a round); node.py (fresh Adam each round)"
+
+
 @dataclass
 class ClientState:
     """Everything that stays on a device between rounds."""
