@@ -340,10 +340,15 @@ def test_deepfusion_one_shot_end_to_end(tmp_path, monkeypatch):
     assert len({spec for *_, spec in sent}) >= 2
     # Tables I-II and Fig. 7-8 in the comparison: the upload column is what the devices sent
     md = (tmp_path / "compare.md").read_text()
-    assert "Token perplexity (log)" in md and "Teacher-forced next-token accuracy" in md
+    assert "Stream perplexity (log)" in md and "Teacher-forced next-token accuracy" in md
+    assert "Answer perplexity (log)" in md  # the QA domain's headline, the paper's
     assert "Token accuracy of generated answers" in md and "| dense base (deepfusion run) |" in md
     res = json.loads((run / "deepfusion" / "results.json").read_text())
     assert "test_answer_acc" in res["per_user"]["fin"] and "test_answer_acc" not in res["per_user"]["med"]
+    fin = res["per_user"]["fin"]  # mixed QA and plain domains: the metric is the stream perplexity every one has
+    assert fin["test_answer_ppl"] == pytest.approx(math.exp(fin["test_answer_log_ppl"])) and res["metric"] == "test_ppl"
+    assert all(len(kd["grad"]["step"]) == len(kd["grad"]["fm"]) >= 1 for kd in
+               json.loads((run / "deepfusion" / "server.jsonl").read_text().splitlines()[0])["kd"])
     total = json.loads((run / "deepfusion" / "results.json").read_text())["bytes_up_total"] / 2**20
     assert f"| deepfusion | {total:.2f} |" in md
     assert "| deepfusion | med" not in md and "| method | code | fin | med |" in md
@@ -743,3 +748,16 @@ def test_the_embedding_map_separates_what_the_clustering_separates():
     assert pts.shape == (4, 2)
     assert (pts[0, 0] - pts[1, 0]).abs() < 0.05 and (pts[2, 0] - pts[3, 0]).abs() < 0.05
     assert (pts[0, 0] - pts[2, 0]).abs() > 1.0
+
+
+def test_gradient_shares_are_each_kd_term_s_gradient_norm_on_the_student():
+    """Planted terms: FM's gradient is -3 times CE's, KL has none: norms 1 : 3 : 0, shares 0.25 /
+    0.75 / 0, and FM points against the rest (cosine -1)."""
+    from comix.algorithms.deepfusion import gradient_shares
+    w = torch.nn.Parameter(torch.ones(4))
+    x = torch.tensor([1.0, 2.0, 2.0, 4.0])  # |x| = 5
+    parts = {"ce": (w * x).sum(), "fm": -3 * (w * x).sum(), "kl": torch.zeros(())}
+    log = {"step": [], "ce": [], "fm": [], "kl": [], "cos_fm_rest": []}
+    gradient_shares(parts, [w], log, step=7)
+    assert log["step"] == [7] and log["ce"] == [[5.0, 0.25]] and log["fm"] == [[15.0, 0.75]] and log["kl"] == [[0.0, 0.0]]
+    assert log["cos_fm_rest"] == [pytest.approx(-1.0)]

@@ -50,3 +50,18 @@ def test_continuation_losses_match_a_manual_computation_and_pick_the_lowest():
 
 def test_mta_is_the_mean_over_clients():
     assert mta({"a": 0.5, "b": 1.0}) == 0.75
+
+
+def test_answer_nll_scores_the_answer_tokens_given_the_question_only():
+    from comix.eval.tasks import answer_nll
+    model, _ = load_base_model("tiny-llama")
+    gen = torch.Generator().manual_seed(0)
+    pairs = [(torch.randint(0, 256, (n,), generator=gen), torch.randint(0, 256, (k,), generator=gen))
+             for n, k in ((5, 3), (9, 2), (4, 6))]
+    total, count = answer_nll(model, pairs, pad_id=0, batch_size=2)
+    want = 0.0
+    with torch.no_grad():
+        for q, a in pairs:  # one pair at a time, no padding: the answer's tokens, each given all before it
+            logp = torch.log_softmax(model(input_ids=torch.cat([q, a])[None]).logits[0].float(), -1)
+            want -= sum(logp[len(q) - 1 + i, a[i]].item() for i in range(len(a)))
+    assert count == 11 and total == pytest.approx(want, rel=1e-5)

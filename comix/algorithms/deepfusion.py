@@ -31,6 +31,7 @@ import random
 import time
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..progress import step as phase_step
@@ -69,8 +70,12 @@ class DeepFusion(Algorithm):
                  alpha: float = 1.0, beta: float = 1.0, temperature: float = 1.0, kd_steps: int = 20,
                  kd_lr: float = 1e-4, feature_lr: float = 1e-3, kd_batch: int = 4, tune_steps: int = 20,
                  tune_lr: float = 1e-4,
-                 aux_loss_coef: float = 0.001, device_cache: bool = False, ofa_eps: float = 1.0):
+                 aux_loss_coef: float = 0.001, device_cache: bool = False, ofa_eps: float = 1.0,
+                 grad_log_every: int = 5):
         super().__init__(lora, train, n_clients)
+        # every grad_log_every-th KD step (0: never) logs each term's gradient norm on the student
+        # and its share: how much the feature term steers the student (three extra backward passes)
+        self.grad_log_every = grad_log_every
         if train.rounds != 1:
             raise ValueError(f"{self.name} is one-shot (devices upload once): train.rounds must be 1, got {train.rounds}")
         if not 1 <= experts <= (experts if self.pooled else n_clients):
@@ -298,6 +303,8 @@ class DeepFusion(Algorithm):
                                  {"params": feature_params, "lr": self.feature_lr}], weight_decay=0.0)
         scaler = rt.grad_scaler()
         log, aligned = {"ce": [], "fm": [], "kl": []}, {}  # teacher index -> aligned share per step
+        grads: dict[str, list] = {"step": [], "ce": [], "fm": [], "kl": [], "cos_fm_rest": []}
+        student_params = list(student.parameters())
         for j in range(self.kd_steps):
             phase_step("distillation steps", j, self.kd_steps)
             x, y = sample_batch(public, self.kd_batch, t.seq_len, gen)
@@ -305,6 +312,7 @@ class DeepFusion(Algorithm):
             with rt.autocast():
                 s_out = student(input_ids=x, output_hidden_states=True)
                 total = s_out.logits.new_zeros((), dtype=torch.float32)
+                parts = {k: s_out.logits.new_zeros((), dtype=torch.float32) for k in ("ce", "fm", "kl")}
                 for ti, ((teacher, w), extra, aligner) in enumerate(zip(teachers, extras, aligners)):
                     dist = mask = None
                     with torch.no_grad():
@@ -321,13 +329,19 @@ class DeepFusion(Algorithm):
                                     self.alpha, self.beta, self.temperature, extra if self.feature == "ofa" else None,
                                     teacher_dist=dist, teacher_mask=mask)
                     total = total + w * terms["total"]
+                    for k, coef in (("ce", 1.0), ("fm", self.alpha), ("kl", self.beta)):
+                        parts[k] = parts[k] + w * coef * terms[k]
                     for k in log:
                         log[k].append(w * float(terms[k].detach()))
+            if self.grad_log_every and j % self.grad_log_every == 0:
+                gradient_shares(parts, student_params, grads, j + 1)
             step_on(total, params, opt, t.grad_clip, scaler)
         student.eval().requires_grad_(False)
         per_step = {k: [round(sum(v[i * len(teachers):(i + 1) * len(teachers)]), 4) for i in range(self.kd_steps)]
                     for k, v in log.items()}
         out = {**{k: round(sum(v) / max(1, self.kd_steps), 4) for k, v in log.items()}, "steps": per_step}
+        if grads["step"]:
+            out["grad"] = grads
         if aligned:  # the share of student steps that got a cross-tokenizer teacher's distribution
             shares = {ti: sum(v) / len(v) for ti, v in aligned.items()}
             out["aligned_share"] = round(sum(shares.values()) / len(shares), 4)
@@ -359,3 +373,26 @@ class DeepFusion(Algorithm):
 
     def server_evaluate(self, server_state) -> dict[str, dict] | None:
         return None if self.moe is None else score_on_server(self.moe, self.server, self.train)
+
+
+def gradient_shares(parts: dict[str, torch.Tensor], params: list[nn.Parameter], log: dict, step: int) -> None:
+    """Each weighted KD term's gradient norm on the student's parameters (CE, alpha * FM, beta *
+    KL, summed over the teachers), its share of the three norms, and the cosine between the FM
+    gradient and the CE + KL one, appended to ``log`` (server.jsonl's ``kd[..]["grad"]``)."""
+    flat = {}
+    for k, term in parts.items():
+        if not term.requires_grad:  # FM is absent for the logit-only methods
+            flat[k] = None
+            continue
+        g = torch.autograd.grad(term, params, retain_graph=True, allow_unused=True)
+        flat[k] = torch.cat([(x if x is not None else torch.zeros_like(p)).reshape(-1).float()
+                             for x, p in zip(g, params)])
+    norms = {k: float(v.norm()) if v is not None else 0.0 for k, v in flat.items()}
+    total = sum(norms.values()) or 1.0
+    log["step"].append(step)
+    for k in ("ce", "fm", "kl"):
+        log[k].append([round(norms[k], 6), round(norms[k] / total, 6)])
+    rest = sum(v for k, v in flat.items() if k != "fm" and v is not None)
+    cos = float(F.cosine_similarity(flat["fm"], rest, dim=0)) if flat["fm"] is not None and norms["fm"] else 0.0
+    log["cos_fm_rest"].append(round(cos, 6))
+

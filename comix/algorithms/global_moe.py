@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from ..progress import step as phase_step
 from ..data import sample_batch
 from ..eval.perplexity import split_token_stats
-from ..eval.tasks import generated_token_accuracy
+from ..eval.tasks import answer_nll, generated_token_accuracy
 from ..files import atomic_write
 from ..runtime import Runtime, to_cpu
 from .base import ServerContext, Tensors
@@ -67,9 +67,11 @@ def moe_step(moe: nn.Module, x: torch.Tensor, y: torch.Tensor, params: list, opt
 
 def score_on_server(model: nn.Module, server: ServerContext, train) -> dict[str, dict]:
     """A global model (and, for comparison, the dense base before distillation) on every
-    domain's test data of the server: token perplexity and its log (Table I), the accuracy of
-    generated answers against the references (%, Table II: ``answer_acc``, on question-answer
-    data) and the teacher-forced next-token accuracy over the whole stream (``token_acc``)."""
+    domain's test data of the server: on question-answer data the answer-only perplexity and its
+    log (``answer_ppl``: the answers' tokens given their questions, as the paper's QA perplexities
+    score; the headline) and the accuracy of generated answers against the references (%, Table
+    II: ``answer_acc``); on every domain the stream perplexity of the whole test text, questions
+    included (``ppl``, beside it), and the teacher-forced next-token accuracy (``token_acc``)."""
     if server is None or server.data is None:
         raise ValueError("the global model is scored on the server's test data: set data.public_frac > 0")
     out = {}
@@ -79,10 +81,13 @@ def score_on_server(model: nn.Module, server: ServerContext, train) -> dict[str,
         for prefix, m in (("test", model), ("test_base", server.base)):
             with server.runtime.autocast():
                 nll, n, correct = split_token_stats(m, tokens, train.seq_len, train.eval_batch_size)
-                if pairs:  # Table II: generated answers against the references
-                    row[f"{prefix}_answer_acc"] = generated_token_accuracy(
+                if pairs:  # Table II: generated answers against the references; Table I's
+                    row[f"{prefix}_answer_acc"] = generated_token_accuracy(  # answer-only perplexity
                         m, pairs, server.data.pad_id, server.data.eos_id, train.eval_batch_size,
                         train.max_new_tokens)
+                    a_nll, a_n = answer_nll(m, pairs, server.data.pad_id, train.eval_batch_size)
+                    row.update({f"{prefix}_answer_ppl": math.exp(a_nll / max(1, a_n)),
+                                f"{prefix}_answer_log_ppl": a_nll / max(1, a_n)})
             row.update({f"{prefix}_ppl": math.exp(nll / n), f"{prefix}_log_ppl": nll / n,
                         f"{prefix}_token_acc": 100.0 * correct / n})
         if getattr(model.config, "num_local_experts", 0):

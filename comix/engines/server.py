@@ -259,7 +259,9 @@ def serve(algorithm: Algorithm, transport: Transport, users: list[str], out_dir:
 # wall-clock and memory measurements in metrics.jsonl / server.jsonl: they differ between two runs
 # that are otherwise equal number for number
 TIMINGS = ("train_s", "eval_s", "aggregate_s", "peak_mem_mb")
-TASK_METRICS = ("test_acc", "test_rouge_l", "test_ppl")  # classification, generation, language modelling
+# classification, generation, question answering scored on the answers (DeepFusion's QA: the
+# answer-only perplexity, the paper's), language modelling
+TASK_METRICS = ("test_acc", "test_rouge_l", "test_answer_ppl", "test_ppl")
 
 
 def task_score(metrics: dict) -> tuple[str, float] | None:
@@ -280,6 +282,9 @@ def finish_run(out_dir: Path, algorithm: Algorithm, users: list[str], per_user: 
     if len(missing) == len(users):
         raise RuntimeError("no user reported a final test metric")
     keys = {scores[u][0] for u in users if u not in missing}
+    if keys == {"test_answer_ppl", "test_ppl"}:  # QA and plain-text domains: every one has a stream perplexity
+        scores = {u: ("test_ppl", per_user[u]["test_ppl"]) if u not in missing else None for u in users}
+        keys = {"test_ppl"}
     metric = keys.pop() if len(keys) == 1 else "test_score"
     values = [scores[u][1] for u in users if u not in missing]
     if metric == "test_score":  # mixed tasks: each user's own metric (all higher-is-better)

@@ -185,3 +185,25 @@ def generated_token_accuracy(model, pairs: list[tuple[torch.Tensor, torch.Tensor
     finally:
         model.train(was_training)
     return 100.0 * correct / max(1, total)
+
+
+@torch.inference_mode()
+def answer_nll(model, pairs: list[tuple[torch.Tensor, torch.Tensor]], pad_id: int,
+               batch_size: int = 8) -> tuple[float, int]:
+    """(sum of NLLs, number of answer tokens) of each reference answer given its question,
+    teacher-forced: the answer-only perplexity DeepFusion's QA tables report (Sec. V-B), where a
+    stream perplexity also scores the questions' tokens. Right-padded: no real token attends a pad."""
+    device = model.get_input_embeddings().weight.device
+    total, count = 0.0, 0
+    for b in range(0, len(pairs), batch_size):
+        batch = pairs[b:b + batch_size]
+        seqs = [q.tolist() + a.tolist() for q, a in batch]
+        ids = _right_pad(seqs, pad_id, device)
+        labels = torch.full_like(ids, -100)
+        for i, (q, a) in enumerate(batch):
+            labels[i, len(q):len(q) + len(a)] = ids[i, len(q):len(q) + len(a)]
+        logits = model(input_ids=ids).logits
+        total += F.cross_entropy(logits[:, :-1].float().transpose(1, 2), labels[:, 1:], reduction="sum").item()
+        count += int((labels[:, 1:] != -100).sum())
+    return total, count
+

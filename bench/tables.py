@@ -1,0 +1,187 @@
+"""Every generated table of the README and docs, from committed result files.
+
+    python bench/tables.py                 # rewrite the generated tables in README.md and docs/*.md
+    python bench/tables.py --check         # exit 1 (naming the block) if a doc's table differs
+    python bench/tables.py --save RUN CASE # copy a finished run or compare folder into bench/results/CASE/
+
+A *case* is a folder ``bench/results/<case>/``: ``case.json`` (the command that made it, the
+machine, the date, the table kind), the run's ``config.yaml``, and per seed and method the run's
+``results.json`` with its ``metrics.jsonl.xz`` and ``server.jsonl.xz`` (xz-compressed; never a
+checkpoint or an adapter). A doc asks for a table with a marker pair::
+
+    <!-- table: <case> -->
+    ...generated, do not edit...
+    <!-- end table -->
+
+and this script writes the table between them; tests/test_tables.py runs ``--check``, so a doc
+and its result files cannot drift apart.
+
+Table kinds (``case.json``'s ``kind``):
+  ablation   FedAMoLE Table III style: each method's MTAL, mean (std) over seeds and per seed,
+             and its paired difference from ``reference`` (default ``fedamole``) with a 95 %
+             t interval over the seeds, plus each method's assignment churn (share of a client's
+             experts new each round) where its server.jsonl lists expert uploads.
+  users      a CoMiGS Table 1 style table: per user and mean, one seed or mean over seeds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import lzma
+import re
+import shutil
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+MARK = re.compile(r"(<!-- table: (?P<case>[\w.-]+) -->\n)(?P<body>.*?)(<!-- end table -->)", re.S)
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+# -- reading a case -------------------------------------------------------------------------------
+def _jsonl(path: Path) -> list[dict]:
+    xz = path.with_name(path.name + ".xz")
+    if xz.exists():
+        with lzma.open(xz, "rt") as fh:
+            return [json.loads(x) for x in fh.read().splitlines()]
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def load_case(case: str) -> tuple[dict, dict[str, dict[int, Path]]]:
+    """(case.json, {spec: {seed: method folder}})."""
+    folder = RESULTS / case
+    if not (folder / "case.json").exists():
+        raise SystemExit(f"bench/tables.py: no case {case!r} (bench/results/{case}/case.json is missing)")
+    meta = json.loads((folder / "case.json").read_text())
+    runs: dict[str, dict[int, Path]] = {}
+    for res in sorted(folder.glob("seed*/*/results.json")):
+        spec = json.loads(res.read_text())["method"]
+        runs.setdefault(spec, {})[int(res.parent.parent.name[4:])] = res.parent
+    return meta, runs
+
+
+def _result(d: Path) -> dict:
+    return json.loads((d / "results.json").read_text())
+
+
+def _mean_std(xs: list[float]) -> str:
+    return f"{statistics.fmean(xs):.2f} ({statistics.pstdev(xs):.2f})" if len(xs) > 1 else f"{xs[0]:.2f}"
+
+
+def paired_interval(diffs: list[float]) -> tuple[float, float]:
+    """(mean, half-width of the 95 % t interval) of paired differences over seeds."""
+    mean = statistics.fmean(diffs)
+    if len(diffs) < 2:
+        return mean, float("nan")
+    return mean, T_975[len(diffs) - 1] * statistics.stdev(diffs) / len(diffs) ** 0.5
+
+
+# -- table kinds ----------------------------------------------------------------------------------
+def ablation_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
+    sys.path.insert(0, str(ROOT))
+    from comix.comparison import assignment_churn
+    ref = meta.get("reference", "fedamole")
+    names = meta.get("names", {})
+    seeds = sorted({s for by in runs.values() for s in by})
+    order = [m for m in meta.get("order", []) if m in runs] + sorted(set(runs) - set(meta.get("order", [])))
+    score = {m: {s: _result(d)["mean"] for s, d in by.items()} for m, by in runs.items()}
+    rows = [f"| method | MTAL, mean (std) over seeds | seed {' / '.join(map(str, seeds))} | "
+            f"minus {names.get(ref, ref)}: mean, 95 % interval | experts new each round |",
+            "|---|---|---|---|---|"]
+    for m in order:
+        by = score[m]
+        per_seed = " / ".join(f"{by[s]:.2f}" if s in by else "-" for s in seeds)
+        common = [s for s in seeds if s in by and s in score.get(ref, {})]
+        if m == ref or not common:
+            diff = "-"
+        else:
+            mean, half = paired_interval([by[s] - score[ref][s] for s in common])
+            diff = f"{mean:+.2f} [{mean - half:+.2f}, {mean + half:+.2f}]"
+        churn = [c for d in runs[m].values() for c in assignment_churn(_jsonl(d / "server.jsonl"))]
+        churn_cell = f"{statistics.fmean(churn):.2f}" if churn and all(c == c for c in churn) else "-"
+        rows.append(f"| {names.get(m, m)} | {_mean_std(list(by.values()))} | {per_seed} | {diff} | {churn_cell} |")
+    return "\n".join(rows)
+
+
+def users_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
+    order = [m for m in meta.get("order", []) if m in runs] + sorted(set(runs) - set(meta.get("order", [])))
+    results = {m: [_result(d) for d in by.values()] for m, by in runs.items()}
+    key = next(iter(results.values()))[0]["metric"]
+    users = list(next(iter(results.values()))[0]["per_user"])
+    rows = ["| method | " + " | ".join(users) + " | mean |", "|---" * (len(users) + 2) + "|"]
+    for m in order:
+        cells = [f"{statistics.fmean(r['per_user'][u][key] for r in results[m]):.2f}" for u in users]
+        rows.append(f"| {meta.get('names', {}).get(m, m)} | " + " | ".join(cells)
+                    + f" | {statistics.fmean(r['mean'] for r in results[m]):.2f} |")
+    return "\n".join(rows)
+
+
+KINDS = {"ablation": ablation_table, "users": users_table}
+
+
+def table(case: str) -> str:
+    meta, runs = load_case(case)
+    body = KINDS[meta["kind"]](meta, runs)
+    return f"{body}\n\n*Generated by `python bench/tables.py` from `bench/results/{case}/` ({meta['command']}; " \
+           f"{meta['machine']}, {meta['date']}).*\n"
+
+
+# -- docs -----------------------------------------------------------------------------------------
+def render(text: str) -> str:
+    return MARK.sub(lambda m: m.group(1) + table(m.group("case")) + m.group(4), text)
+
+
+def save(run: Path, case: str, meta: dict) -> Path:
+    """A finished run or compare folder's records, compressed, into bench/results/<case>/."""
+    out = RESULTS / case
+    tmp = out.with_name(f".{case}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    dirs = [p.parent for p in sorted(run.glob("seed*/*/results.json"))] or \
+           [p.parent for p in sorted(run.glob("*/results.json"))]
+    seed_of_run = int(re.search(r"^seed: (\d+)", (run / "config.yaml").read_text(), re.M).group(1))
+    for d in dirs:
+        seed = d.parent.name if d.parent.name.startswith("seed") else f"seed{seed_of_run}"
+        dest = tmp / seed / d.name
+        dest.mkdir(parents=True)
+        shutil.copy(d / "results.json", dest / "results.json")
+        for name in ("metrics.jsonl", "server.jsonl"):
+            if (d / name).exists():
+                with lzma.open(dest / f"{name}.xz", "wt", preset=9) as fh:
+                    fh.write((d / name).read_text())
+    shutil.copy(run / "config.yaml", tmp / "config.yaml")
+    (tmp / "case.json").write_text(json.dumps(meta, indent=1) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true", help="fail if a doc's generated table differs")
+    ap.add_argument("--save", nargs=2, metavar=("RUN", "CASE"), help="copy a finished run into bench/results/CASE")
+    ap.add_argument("--meta", help="with --save: case.json as JSON (kind, command, machine, date, ...)")
+    args = ap.parse_args(argv)
+    if args.save:
+        print(save(Path(args.save[0]), args.save[1], json.loads(args.meta or "{}")))
+        return 0
+    stale = []
+    for doc in DOCS:
+        text = doc.read_text()
+        new = render(text)
+        if new != text:
+            stale.append(doc.relative_to(ROOT))
+            if not args.check:
+                doc.write_text(new)
+    if args.check and stale:
+        print(f"bench/tables.py: generated tables differ from their result files in {', '.join(map(str, stale))}; "
+              "run python bench/tables.py")
+        return 1
+    print(("checked" if args.check else "wrote") + f" {sum(len(MARK.findall(d.read_text())) for d in DOCS)} tables")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
