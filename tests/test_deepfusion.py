@@ -360,6 +360,11 @@ def test_deepfusion_one_shot_end_to_end(tmp_path, monkeypatch):
     page = (tmp_path / "report.md").read_text()
     assert "expert load per test domain" in page and "| dominant true domain |" in page
     assert f"| client0 | {report['devices'][0]} | {report['domains'][0]} | {max(mixes[0], key=mixes[0].get)} |" in page
+    # the premise of distillation: what each device knows of its own domain, beside the student
+    known = report["in_domain"]
+    assert set(known["devices"]) == {str(c) for c in report["clients"]} and set(known["student"]) == {"med", "fin", "code"}
+    dom = max(mixes[0], key=mixes[0].get)
+    assert f"| {known['devices'][str(report['clients'][0])][dom]:.4f} | {known['student'][dom]:.4f} |" in page
 
 
 def test_deepfusion_refuses_bad_settings_in_one_line(tmp_path, capsys):
@@ -753,7 +758,7 @@ def test_the_embedding_map_separates_what_the_clustering_separates():
 def test_gradient_shares_are_each_kd_term_s_gradient_norm_on_the_student():
     """Planted terms: FM's gradient is -3 times CE's, KL has none: norms 1 : 3 : 0, shares 0.25 /
     0.75 / 0, and FM points against the rest (cosine -1)."""
-    from comix.algorithms.deepfusion import gradient_shares
+    from comix.algorithms.deepfusion_measures import gradient_shares
     w = torch.nn.Parameter(torch.ones(4))
     x = torch.tensor([1.0, 2.0, 2.0, 4.0])  # |x| = 5
     parts = {"ce": (w * x).sum(), "fm": -3 * (w * x).sum(), "kl": torch.zeros(())}

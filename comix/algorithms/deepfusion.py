@@ -31,7 +31,6 @@ import random
 import time
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..progress import step as phase_step
@@ -47,6 +46,7 @@ from ..runtime import Runtime, offload, to_cpu
 from .base import Algorithm, ClientContext, ClientState, Tensors
 from .training import batch_generator, expert_lr, lm_loss, make_optimizer, step_on
 from .deepfusion_clusters import cluster_devices, embedding_map, proxy_teachers
+from .deepfusion_measures import gradient_shares, in_domain_scores
 from .global_moe import load_device_upload, save_device_upload, save_moe, score_on_server, train_moe_on_public
 
 log = logging.getLogger("comix.deepfusion")
@@ -71,11 +71,11 @@ class DeepFusion(Algorithm):
                  kd_lr: float = 1e-4, feature_lr: float = 1e-3, kd_batch: int = 4, tune_steps: int = 20,
                  tune_lr: float = 1e-4,
                  aux_loss_coef: float = 0.001, device_cache: bool = False, ofa_eps: float = 1.0,
-                 grad_log_every: int = 5):
+                 grad_log_every: int = 5, score_devices: bool = True):
         super().__init__(lora, train, n_clients)
         # every grad_log_every-th KD step (0: never) logs each term's gradient norm on the student
         # and its share: how much the feature term steers the student (three extra backward passes)
-        self.grad_log_every = grad_log_every
+        self.grad_log_every, self.score_devices = grad_log_every, score_devices
         if train.rounds != 1:
             raise ValueError(f"{self.name} is one-shot (devices upload once): train.rounds must be 1, got {train.rounds}")
         if not 1 <= experts <= (experts if self.pooled else n_clients):
@@ -244,6 +244,7 @@ class DeepFusion(Algorithm):
         labels = cluster_devices(emb, self.k, seed=ctx.seed)  # Sec. IV-B
         models = self._device_models(uploads)
         proxies = proxy_teachers([models[c] for c in clients], labels, self.k)  # Fig. 4
+        premise = in_domain_scores(models, ctx, self.train.seq_len) if self.score_devices else None  # what the teachers know
         del models
         seconds["cluster_and_proxies"], t0 = time.perf_counter() - t0, time.perf_counter()
         log.info("%s: domains %s; distilling %d proxies", self.name, labels, sum(map(len, proxies)))
@@ -266,12 +267,13 @@ class DeepFusion(Algorithm):
         state = {"domains": labels, "clients": clients, "devices": [self.device_spec(c) for c in clients],
                  "embedding_2d": embedding_map(emb),
                  "public_batches": self.k * self.kd_steps + self.tune_steps,
-                 "kd": kd_log, "tune": tune_log, "seconds": {k: round(v, 2) for k, v in seconds.items()}}
+                 "kd": kd_log, "tune": tune_log, "seconds": {k: round(v, 2) for k, v in seconds.items()},
+                 **({"in_domain": premise} if premise else {})}
         return state, {c: {} for c in range(self.n_clients)}
 
     def server_report(self, server_state) -> dict:
         return {k: server_state[k] for k in ("domains", "devices", "kd", "tune", "seconds", "public_batches",
-                                             "embedding_2d") if k in server_state}
+                                             "embedding_2d", "in_domain", "clients") if k in server_state}
 
     def _feature_module(self, student: nn.Module, teacher: nn.Module) -> nn.Module | None:
         if self.feature == "vaa":
@@ -373,26 +375,3 @@ class DeepFusion(Algorithm):
 
     def server_evaluate(self, server_state) -> dict[str, dict] | None:
         return None if self.moe is None else score_on_server(self.moe, self.server, self.train)
-
-
-def gradient_shares(parts: dict[str, torch.Tensor], params: list[nn.Parameter], log: dict, step: int) -> None:
-    """Each weighted KD term's gradient norm on the student's parameters (CE, alpha * FM, beta *
-    KL, summed over the teachers), its share of the three norms, and the cosine between the FM
-    gradient and the CE + KL one, appended to ``log`` (server.jsonl's ``kd[..]["grad"]``)."""
-    flat = {}
-    for k, term in parts.items():
-        if not term.requires_grad:  # FM is absent for the logit-only methods
-            flat[k] = None
-            continue
-        g = torch.autograd.grad(term, params, retain_graph=True, allow_unused=True)
-        flat[k] = torch.cat([(x if x is not None else torch.zeros_like(p)).reshape(-1).float()
-                             for x, p in zip(g, params)])
-    norms = {k: float(v.norm()) if v is not None else 0.0 for k, v in flat.items()}
-    total = sum(norms.values()) or 1.0
-    log["step"].append(step)
-    for k in ("ce", "fm", "kl"):
-        log[k].append([round(norms[k], 6), round(norms[k] / total, 6)])
-    rest = sum(v for k, v in flat.items() if k != "fm" and v is not None)
-    cos = float(F.cosine_similarity(flat["fm"], rest, dim=0)) if flat["fm"] is not None and norms["fm"] else 0.0
-    log["cos_fm_rest"].append(round(cos, 6))
-

@@ -91,9 +91,18 @@ def server_section(page: Page, runs: dict[str, dict[int, Path]]) -> None:
                 page.fig(fig, f"expert-load-{_slug(spec)}.png", f"{spec}: the global MoE's expert load per test "
                                                                  "domain (share of top-k routing slots, mean over layers)")
             if "domains" in first and "devices" in first:
-                page.md("| device | model | cluster | dominant true domain |\n|---|---|---|---|\n" + "\n".join(
-                    f"| client{i} | {m} | {c} | {true[i] if true else '-'} |"
-                    for i, (m, c) in enumerate(zip(first["devices"], first["domains"]))))
+                known = first.get("in_domain", {})  # nats per character on the device's own domain
+                dev, stu = known.get("devices", {}), known.get("student", {})
+
+                def knows(i):
+                    c = str(first.get("clients", range(len(first["devices"])))[i])
+                    if not (true and c in dev and true[i] in dev[c]):
+                        return "- | -"
+                    return f"{dev[c][true[i]]:.4f} | {stu[true[i]]:.4f}"
+                page.md("| device | model | cluster | dominant true domain | its log ppl there (nats/char) | the "
+                        "student's |\n|---|---|---|---|---|---|\n" + "\n".join(
+                            f"| client{i} | {m} | {c} | {true[i] if true else '-'} | {knows(i)} |"
+                            for i, (m, c) in enumerate(zip(first["devices"], first["domains"]))))
 
 
 def _true_domains(method_dir: Path, n: int) -> list[str] | None:

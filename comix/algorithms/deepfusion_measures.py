@@ -1,0 +1,63 @@
+"""What DeepFusion's server measures besides training, for the tables and the report (nothing
+here changes a model): how much each KD term steers the student, and what the devices' models
+know of each domain next to the student they teach (the premise of distillation)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..eval.perplexity import split_token_stats
+from ..models.base import tokenizer_source
+from ..models.token_align import reads_other_tokens, retokenize, tokenizer_at
+
+
+def gradient_shares(parts: dict[str, torch.Tensor], params: list[nn.Parameter], log: dict, step: int) -> None:
+    """Each weighted KD term's gradient norm on the student's parameters (CE, alpha * FM, beta *
+    KL, summed over the teachers), its share of the three norms, and the cosine between the FM
+    gradient and the CE + KL one, appended to ``log`` (server.jsonl's ``kd[..]["grad"]``)."""
+    flat = {}
+    for k, term in parts.items():
+        if not term.requires_grad:  # FM is absent for the logit-only methods
+            flat[k] = None
+            continue
+        g = torch.autograd.grad(term, params, retain_graph=True, allow_unused=True)
+        flat[k] = torch.cat([(x if x is not None else torch.zeros_like(p)).reshape(-1).float()
+                             for x, p in zip(g, params)])
+    norms = {k: float(v.norm()) if v is not None else 0.0 for k, v in flat.items()}
+    total = sum(norms.values()) or 1.0
+    log["step"].append(step)
+    for k in ("ce", "fm", "kl"):
+        log[k].append([round(norms[k], 6), round(norms[k] / total, 6)])
+    rest = sum(v for k, v in flat.items() if k != "fm" and v is not None)
+    cos = float(F.cosine_similarity(flat["fm"], rest, dim=0)) if flat["fm"] is not None and norms["fm"] else 0.0
+    log["cos_fm_rest"].append(round(cos, 6))
+
+
+@torch.no_grad()
+def in_domain_scores(models: dict[int, nn.Module], server, seq_len: int) -> dict:
+    """Every device model's and the dense student's log perplexity per *character* (nats) on each
+    domain's test text of the server: per character, so a device of another tokenizer (Gemma) reads
+    the same text in its own tokens and still compares. {"devices": {client: {domain: nats/char}},
+    "student": {domain: nats/char}}; the report puts each device's own dominant domain beside it."""
+    student_tok = tokenizer_at(tokenizer_source(server.base))
+    out = {"devices": {}, "student": {}}
+
+    def score(model, domain_tokens, text_chars):
+        own = tokenizer_source(model)
+        tokens = retokenize(domain_tokens, student_tok, tokenizer_at(own)) \
+            if reads_other_tokens(model, tokenizer_source(server.base)) else domain_tokens
+        was = model.training
+        model.eval()
+        try:
+            with server.runtime.autocast():
+                nll, _, _ = split_token_stats(model.to(server.runtime.device), tokens, seq_len)
+        finally:
+            model.train(was)
+        return round(nll / text_chars, 6)
+    for domain, tokens in server.data.test.items():
+        chars = max(1, len(student_tok.decode(tokens.tolist())))
+        out["student"][domain] = score(server.base, tokens, chars)
+        for c, m in models.items():
+            out["devices"].setdefault(str(c), {})[domain] = score(m, tokens, chars)
+    return out
