@@ -99,7 +99,8 @@ def ablation_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
             diff = "-"
         else:
             mean, half = paired_interval([by[s] - score[ref][s] for s in common])
-            diff = f"{mean:+.2f} [{mean - half:+.2f}, {mean + half:+.2f}]"
+            diff = f"{mean:+.2f} [{mean - half:+.2f}, {mean + half:+.2f}]" if len(common) > 1 else \
+                f"{mean:+.2f} (one seed: no interval)"
         churn = [c for d in runs[m].values() for c in assignment_churn(_jsonl(d / "server.jsonl"))]
         churn_cell = f"{statistics.fmean(churn):.2f}" if churn and all(c == c for c in churn) else "-"
         rows.append(f"| {names.get(m, m)} | {_mean_std(list(by.values()))} | {per_seed} | {diff} | {churn_cell} |")
