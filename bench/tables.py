@@ -147,7 +147,8 @@ def save(run: Path, case: str, meta: dict) -> Path:
         seed = d.parent.name if d.parent.name.startswith("seed") else f"seed{seed_of_run}"
         dest = tmp / seed / d.name
         dest.mkdir(parents=True)
-        shutil.copy(d / "results.json", dest / "results.json")
+        # one line: a results.json holds every client's gates per module (thousands of pretty lines)
+        (dest / "results.json").write_text(json.dumps(json.loads((d / "results.json").read_text())) + "\n")
         for name in ("metrics.jsonl", "server.jsonl"):
             if (d / name).exists():
                 with lzma.open(dest / f"{name}.xz", "wt", preset=9) as fh:
