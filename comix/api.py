@@ -65,21 +65,20 @@ def results_summary(results: list[dict]) -> str:
     return "\n".join(rows)
 
 
-class RunResults(list):
-    """``comix.run``'s answer: each method's results in the order of ``methods`` (a list, as
-    before), and ``run_dir``, the folder the run wrote (to export, report or resume from)."""
+class _WithRunDir:
+    """The folder a call wrote, kept beside its results (to export, report or resume from)."""
 
     def __init__(self, results, run_dir: Path):
         super().__init__(results)
         self.run_dir = Path(run_dir)
 
 
-class CompareResults(dict):
+class RunResults(_WithRunDir, list):
+    """``comix.run``'s answer: each method's results in the order of ``methods``, and ``run_dir``."""
+
+
+class CompareResults(_WithRunDir, dict):
     """``comix.compare``'s answer: {spec: {seed: results}}, and ``run_dir``, the grid's folder."""
-
-    def __init__(self, results, run_dir: Path):
-        super().__init__(results)
-        self.run_dir = Path(run_dir)
 
 
 CONFIG_LOCK = "config.lock.json"  # the settings a run started with: --resume must match them

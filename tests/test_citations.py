@@ -1,5 +1,5 @@
 """Code, tests and docs cite the paper, the authors' file or a doc page, never a work item of the
-tracker ("issue F1"): a later reader has no tracker. And no package file grows past 400 lines: a
+tracker (the word "issue" and a letter): a later reader has no tracker. And no package file grows past 400 lines: a
 file that long holds more than one thing (split by what the parts do)."""
 import pathlib
 import re
@@ -15,14 +15,15 @@ def _tree():
 
 
 def test_no_work_item_references():
-    hits = [f"{p.relative_to(ROOT)}:{i}: {line.strip()[:80]}" for p in _tree() if p != pathlib.Path(__file__)
+    hits = [f"{p.relative_to(ROOT)}:{i}: {line.strip()[:80]}" for p in _tree()
             for i, line in enumerate(p.read_text().splitlines(), 1) if WORK_ITEM.search(line)]
     assert hits == []
 
 
 def test_the_pattern_finds_work_items():
-    assert WORK_ITEM.search("the layer (issue F1 part 2)") and WORK_ITEM.search("issue K:")
-    assert WORK_ITEM.search("K part 2: the specs") and not WORK_ITEM.search("Table III, part of the paper")
+    item, part = "iss" + "ue", " pa" + "rt 2"  # spelled in pieces, so this file holds no reference itself
+    assert WORK_ITEM.search(f"the layer ({item} F1{part})") and WORK_ITEM.search(f"{item} K:")
+    assert WORK_ITEM.search(f"K{part}: the specs") and not WORK_ITEM.search("Table III, part of the paper")
 
 
 def test_no_package_file_over_400_lines():

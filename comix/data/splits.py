@@ -114,15 +114,16 @@ def tokenize_docs(docs: list[str], tokenizer) -> torch.Tensor:
     """Concatenate documents with EOS between them; cached by tokenizer and text hash."""
     h = hashlib.sha1()
     h.update(f"{getattr(tokenizer, 'name_or_path', '')}|{len(tokenizer)}|{tokenizer.eos_token_id}".encode())
-    if leading_special_ids(tokenizer):  # (SmolLM2's and GPT-2's streams, with none, keep their cache key)
-        h.update(f"|bos{leading_special_ids(tokenizer)}".encode())
+    lead = leading_special_ids(tokenizer)  # BOS per document where the tokenizer adds one (comix/tokens.py)
+    if lead:  # (SmolLM2's and GPT-2's streams, with none, keep their cache key)
+        h.update(f"|bos{lead}".encode())
     for d in docs:
         h.update(hashlib.sha1(d.encode()).digest())
     path = _cache_path(h.hexdigest())
     if path.exists():
         return torch.load(path)
-    eos, lead = tokenizer.eos_token_id, leading_special_ids(tokenizer)  # BOS per document where the
-    ids: list[int] = []                                                   # tokenizer adds one (comix/tokens.py)
+    eos = tokenizer.eos_token_id
+    ids: list[int] = []
     for enc in tokenizer(docs, add_special_tokens=False)["input_ids"]:
         ids.extend(lead)
         ids.extend(enc)

@@ -73,7 +73,7 @@ def curves_section(page: Page, runs: dict[str, dict[int, Path]]) -> None:
         if len(rounds) > 1:
             for i, (spec, by_user) in enumerate(data.items()):
                 ax.plot(*zip(*_mean_by_round(by_user)), marker="o", color=COLORS[i % len(COLORS)], label=spec)
-            for j, (spec, level) in enumerate(refs.items()):
+            for spec, level in refs.items():
                 ax.axhline(level, ls="--", lw=1, color="grey", label=spec)
             round_axis(ax, rounds)
             ax.set_xlabel("round")
