@@ -109,8 +109,15 @@ def check_resume_config(run_dir: Path, cfg) -> None:
     if not lock.exists():  # a run started before this check existed
         return
     started, now = json.loads(lock.read_text()), flat_config(cfg)
+    # a key comix gained after the run started is absent from its lock; at its default it is the
+    # behaviour the run had (a new key's default never changes what an existing one did)
+    from .config import RunConfig
+    defaults = flat_config(RunConfig())
+    added = sorted(k for k in now.keys() - started.keys() if k in defaults and now[k] == defaults[k])
+    if added:
+        print(f"--resume {run_dir}: keys added to comix since the run started, at their defaults: {', '.join(added)}")
     diff = sorted(k for k in started.keys() | now.keys() if k not in RESUME_MAY_CHANGE and not k.startswith(CALIBRATED)
-                  and started.get(k) != now.get(k))
+                  and k not in added and started.get(k) != now.get(k))
     if diff:
         shown = ", ".join(f"{k} ({started.get(k)!r} -> {now.get(k)!r})" for k in diff[:4])
         raise ValueError(f"--resume {run_dir}: the config differs from the one the run started with: {shown}"

@@ -246,6 +246,24 @@ def test_resume_refuses_a_changed_config_and_a_corrupt_checkpoint(tmp_path, caps
     _fails(capsys, ["run", "--resume", str(run), "threads=1"], f"checkpoint {ckpt} is corrupt")
 
 
+def test_resume_accepts_a_key_comix_gained_since_the_run_started_only_at_its_default(tmp_path, capsys):
+    import json
+
+    from comix.cli import main
+    run = tmp_path / "run"
+    assert main(["run", "model=tiny-llama", f"run_dir={run}", "methods=[local]", "train.rounds=1", "train.local_steps=1",
+                 "train.batch_size=2", "train.seq_len=32", "data.valid_tokens=256", "data.test_tokens=256"]) == 0
+    lock = run / "config.lock.json"
+    started = json.loads(lock.read_text())
+    del started["train.rouge"]  # a run saved by a comix that had no train.rouge yet
+    lock.write_text(json.dumps(started))
+    capsys.readouterr()
+    assert "train.rouge (None -> 'rouge-score')" in _fails(capsys, ["run", "--resume", str(run), "train.rouge=rouge-score"],
+                                                           "differs")
+    assert main(["run", "--resume", str(run)]) == 0
+    assert "keys added to comix since the run started, at their defaults: train.rouge" in capsys.readouterr().out
+
+
 def test_a_full_disk_while_writing_says_so_and_keeps_the_previous_file(tmp_path):
     import errno
 
