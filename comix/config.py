@@ -86,6 +86,8 @@ class RunConfig:
     fedptuning: object = field(default_factory=SECTIONS["fedptuning"])
     deepfusion: object = field(default_factory=SECTIONS["deepfusion"])
     fedjets: object = field(default_factory=SECTIONS["fedjets"])
+    flora: object = field(default_factory=SECTIONS["flora"])
+    fedalt: object = field(default_factory=SECTIONS["fedalt"])
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)  # client-level DP (comix/privacy.py)
     # the train.* keys the recipe or command line set (written by comix into a run's config.yaml):
     # every other optimiser key takes the method's own default (Algorithm.train_defaults)
@@ -147,8 +149,8 @@ class RunConfig:
         if t.grad_clip < 0 or t.weight_decay < 0:
             raise ConfigError(f"train.grad_clip and train.weight_decay must be >= 0, got {t.grad_clip} and "
                               f"{t.weight_decay}")
-        if t.schedule not in ("cosine", "round_decay") or not 0 < t.lr_decay <= 1 or t.max_new_tokens < 1:
-            raise ConfigError(f"train.schedule must be cosine or round_decay, train.lr_decay in (0, 1] and "
+        if t.schedule not in ("cosine", "round_decay", "round_linear") or not 0 < t.lr_decay <= 1 or t.max_new_tokens < 1:
+            raise ConfigError(f"train.schedule must be cosine, round_decay or round_linear, train.lr_decay in (0, 1] and "
                               f"train.max_new_tokens >= 1, got {t.schedule!r}, {t.lr_decay}, {t.max_new_tokens}")
         if t.optimizer_state not in ("run", "round"):
             raise ConfigError(f"train.optimizer_state must be run or round, got {t.optimizer_state!r}")

@@ -74,6 +74,10 @@ EXPECTED_SHARED = {
     "fedmole": {"amole_shared", "amole_router", "domain_expert"},
     "fedamole-a": {"amole_shared", "amole_router", "domain_expert", "embedding"},  # = fedamole-vanilla
     "fedamole-s": {"amole_router", "domain_expert", "embedding"},
+    "flora": {"attention_lora"},  # this round's fresh LoRA; never the merged update it holds
+    # its own LoRA (the others' mean of it comes back as their rest-of-world); never the rest-of-world
+    # LoRA it was sent or its mixer
+    "fedalt": {"personal_lora"},
     # the soft prompt only (PEFT's prompt encoder); never a base weight
     "fedprompt": {"prompt"}, "fedprompt-ft": {"prompt"}, "fedptuning": {"prompt"}, "fedptuning-ft": {"prompt"},
 }
@@ -101,7 +105,8 @@ def test_upload_contains_exactly_the_declared_shared_tensors(setup, method):
         assert all(isinstance(t, torch.Tensor) for t in upload.values())
         roles = {param_role(n) for n in upload}
         assert roles == EXPECTED_SHARED[method]
-        assert "base" not in roles and not roles & {"personal_lora", "fusion", "amole_slots"}
+        assert "base" not in roles and not roles & {"fusion", "amole_slots", "mixer", "merged"}
+        assert "personal_lora" not in roles or method == "fedalt"
         assert "router" not in roles
         assert all(NAME_RULE.get(method, lambda n: True)(n) for n in upload)
         if method == "comigs-2g":
@@ -388,7 +393,7 @@ FEDAMOLE_FAMILY = {"fedamole", "fedamole-random", "fedamole-vanilla", "fedamole-
 def test_each_method_s_effective_optimiser_and_its_source(method):
     """Without a recipe a method trains with its authors' optimiser: FedAMoLE and the baselines of
     its paper with Adam 5e-5 decayed x0.99 a round, fresh each round (journal Sec. V-A-4, node.py);
-    every other method with CoMiGS's (App. B.1). A key the user sets wins, on the command line or
+    FLoRA and FedALT with their authors' Trainer (AdamW 3e-4, linear decay within a round); every other method with CoMiGS's (App. B.1). A key the user sets wins, on the command line or
     in a recipe."""
     from comix.algorithms import REGISTRY
     got = {k: getattr(_effective(method), k) for k in OPTIMIZER_KEYS}
@@ -397,6 +402,11 @@ def test_each_method_s_effective_optimiser_and_its_source(method):
         assert got == dict(lr=5e-5, schedule="round_decay", lr_decay=0.99, weight_decay=0.0, betas=[0.9, 0.999],
                            optimizer_state="round")
         assert "FedAMoLE journal Sec. V-A-4" in cls.train_defaults_source
+    elif method in ("flora", "fedalt"):  # a transformers Trainer per round: AdamW 3e-4, linear decay to 0
+        assert got == dict(lr=3e-4, schedule="round_linear", lr_decay=0.99, weight_decay=0.05 if method == "fedalt"
+                           else 0.0, betas=[0.9, 0.999], optimizer_state="round")
+        assert {"flora": "ATP-1010/FederatedLLM main.py", "fedalt": "jmbian/FedALT client.py"}[method] in \
+            cls.train_defaults_source
     else:
         assert got == dict(lr=2e-3, schedule="cosine", lr_decay=0.99, weight_decay=0.01, betas=[0.9, 0.95],
                            optimizer_state="run")

@@ -177,6 +177,29 @@ privacy: {clip: 0.05, noise_multiplier: 0.5}
             assert x["test_ppl"] == pytest.approx(y["test_ppl"], rel=1e-3)
 
 
+def test_ray_simulation_of_flora_and_fedalt_with_sampled_clients_equals_in_process(tmp_path):
+    """FLoRA's catch-up stacks (a client that missed rounds merges every stack it lacks) and
+    FedALT's per-client rest-of-world travel through Flower as in process."""
+    pytest.importorskip("ray")
+    cfg = tmp_path / "recent.yaml"
+    cfg.write_text("""model: tiny-llama
+corpus: topics
+methods: [flora, fedalt]
+seed: 5
+data: {clients: 6, alpha: 0.5, valid_tokens: 128, test_tokens: 128}
+train: {rounds: 3, local_steps: 1, batch_size: 2, seq_len: 32, clients_per_round: 2, eval_every: 3,
+        eval_splits: [test]}
+""")
+    assert main(["run", str(cfg), f"run_dir={tmp_path / 'inproc'}"]) == 0
+    assert main(["run", str(cfg), f"run_dir={tmp_path / 'sim'}", "engine=flower-sim", "threads=2"]) == 0
+    for method in ("flora", "fedalt"):
+        a, b = (_rows(tmp_path / run / method / "metrics.jsonl") for run in ("sim", "inproc"))
+        assert [(x["user"], x["sampled"], x["bytes_down"]) for x in a] == \
+            [(y["user"], y["sampled"], y["bytes_down"]) for y in b]
+        scored = [(x, y) for x, y in zip(a, b) if "test_ppl" in y]
+        assert len(scored) == 6 and all(x["test_ppl"] == pytest.approx(y["test_ppl"], rel=1e-4) for x, y in scored)
+
+
 def test_ray_simulation_of_deepfusion_equals_in_process(tmp_path):
     """A method whose devices hold different models and upload once, and whose server scores its
     own global model: the same device uploads, server rows and global MoE on both engines."""

@@ -21,11 +21,13 @@ from .ofa_kd import OFAKD
 from .fdlora import FDLoRA
 from .fdlora_fedamole import FDLoRAFedAMoLE
 from .fedamole import FedAMoLE
+from .fedalt import FedALT
 from .fedavg import FedAvg, FedIT, FedITFT
 from .fedjets import FedJETS
 from .fedsa_lora import FedSALoRA
 from .ffa_lora import FFALoRA
 from .flexlora import FlexLoRA
+from .flora import FLoRA
 from .hetlora import HetLoRA
 from .local import Local
 from .moe_baselines import FedAvgMoE, FedAvgMoETr, LocalMoE, LocalMoETr
@@ -57,7 +59,7 @@ FEDAMOLE_VARIANTS = {  # Table III's ablations: the journal's names, then the ar
 CLASSES = (Pretrained, Local, FedAvg, Centralized, FFALoRA, FedSALoRA, PCL, FDLoRA, FDLoRAFedAMoLE, HetLoRA, FlexLoRA,
            PFedMoE, LocalMoE, FedAvgMoE, LocalMoETr, FedAvgMoETr, FedAMoLE, FedIT, FedITFT, FedPrompt,
            FedPromptFT, FedPTuning, FedPTuningFT, DeepFusion, CEOnly, FedKMT, OFAKD,
-           CentralMoE, FedJETS)
+           CentralMoE, FedJETS, FLoRA, FedALT)
 REGISTRY: dict[str, tuple[type[Algorithm], dict]] = {
     **{cls.name: (cls, getattr(cls, "variant", {})) for cls in CLASSES},
     **{name: (CoMiGS, kw) for name, kw in COMIGS_VARIANTS.items()},

@@ -56,7 +56,8 @@ class TrainConfig:
     seq_len: int = 128
     lr: float = 2e-3                # expert lr: cosine from lr to lr * min_lr_ratio
     min_lr_ratio: float = 0.1
-    schedule: str = "cosine"        # cosine | round_decay (lr * lr_decay ** round: FedAMoLE)
+    schedule: str = "cosine"        # cosine | round_decay (lr * lr_decay ** round: FedAMoLE) | round_linear
+                                    # (lr to 0 linearly within each round: a Trainer per round, FLoRA / FedALT)
     lr_decay: float = 0.99
     warmup_frac: float = 0.0        # share of the schedule spent in linear warm-up (authors: none)
     weight_decay: float = 0.01
@@ -131,6 +132,8 @@ def expert_lr(step: int, total: int, train: TrainConfig) -> float:
     eta_min, as the authors' clients.py)."""
     if train.schedule == "round_decay":  # constant within a round, x lr_decay after each
         return train.lr * train.lr_decay ** (step // train.local_steps)
+    if train.schedule == "round_linear":  # transformers' Trainer built afresh each round: linear to 0, no warm-up
+        return train.lr * (train.local_steps - step % train.local_steps) / train.local_steps
     total = max(total, 1)
     up = int(train.warmup_frac * total)
     if step < up:

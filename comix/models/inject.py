@@ -8,7 +8,9 @@ read from parameter names alone, so they survive state dicts and the wire:
   ``...mlp.router.*``            router
   ``...mlp.<proj>.lora.*``       plain LoRA on the MLP (Local / FedAvg / ...)
   other ``*.lora.*``             attention LoRA
-  ``*.lora_local.*``             FDLoRA's personal LoRA; ``*.lora_fusion`` its fusion weights
+  ``*.lora_local.*``             the personal LoRA of a pair (FDLoRA, FedDPA, FedALT); ``*.lora_fusion``
+                                 the pair's weights, ``*.lora_mixer.*`` FedALT's per-token mixer
+  ``*.lora_merged``              FLoRA's merged global update of an attention linear (frozen)
   ``*.shared.lora_*``            AMoLE's shared expert; ``*.token_proj`` / ``*.vanilla_router.*``
                                  its router; ``*.expert_A|B`` its expert slots (in the model);
   ``*.experts.<id>.lora_*``      FedAMoLE's domain expert <id> of an attention module (in states,
@@ -61,6 +63,9 @@ class AdapterConfig:
     top_k: int = 2
     fused: bool = True
     personal: bool = False           # a second, personal LoRA beside each plain MLP one (FDLoRA)
+    attention_personal: bool = False  # a second, personal LoRA beside each attention LoRA (FedDPA, FedALT)
+    mixer: bool = False              # the pair mixed per token by a learnt softmax (FedALT), not by weights
+    merged: bool = False             # a frozen matrix the server's merges add to each attention linear (FLoRA)
     mlp_lora: LoRAConfig | None = None
     amole: AMoLEConfig | None = None  # AMoLE modules on these attention linears (FedAMoLE)
     attention_targets: tuple[str, ...] = ()  # attention linears with LoRA (default: all of them)
@@ -108,7 +113,8 @@ def inject_adapters(model: nn.Module, cfg: AdapterConfig, n_experts: int | None 
             attn = _attention(block)
             for name in cfg.attention_targets or ATTENTION_TARGETS:
                 if hasattr(attn, name) and not isinstance(getattr(attn, name), LoRALinear):
-                    setattr(attn, name, LoRALinear(getattr(attn, name), cfg.lora))
+                    setattr(attn, name, LoRALinear(getattr(attn, name), cfg.lora, cfg.attention_personal, cfg.mixer,
+                                                   cfg.merged))
         if cfg.mlp == "mixture":
             block.mlp = MixtureOfLoRAMLP(block.mlp, d_model, n, cfg.top_k, cfg.lora, cfg.fused)
         elif cfg.mlp == "lora":
@@ -154,7 +160,7 @@ _DOMAIN_EXPERT = re.compile(r"\.experts\.(\d+)\.lora_[AB]$")
 
 
 def param_role(name: str) -> str:
-    """generalist | specialist | router | mlp_lora | attention_lora | personal_lora | fusion |
+    """generalist | specialist | router | mlp_lora | attention_lora | personal_lora | fusion | mixer | merged |
     amole_shared | amole_router | amole_slots | domain_expert | embedding | prompt | base."""
     if name.startswith("rsea."):
         return "embedding"
@@ -172,6 +178,10 @@ def param_role(name: str) -> str:
         return "personal_lora"
     if name.endswith("lora_fusion"):
         return "fusion"
+    if ".lora_mixer." in name:
+        return "mixer"
+    if name.endswith(".lora_merged"):
+        return "merged"
     m = _EXPERT.search(name)
     if m:
         return "generalist" if m.group(1) == "0" else "specialist"

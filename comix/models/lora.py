@@ -72,12 +72,21 @@ class LoRAWeights(nn.Module):
 class LoRALinear(nn.Module):
     """A frozen linear layer plus one LoRA adapter; the frozen layer stays at ``.base``.
 
-    ``personal=True`` adds a second adapter ``lora_local`` and fusion weights (w_global,
-    w_local) (FDLoRA's dual LoRA): y = base(x) + w_0 * lora(x) + w_1 * lora_local(x). The fusion
-    weights are a frozen parameter so they travel with the client's adapters; the algorithm
-    sets them (they are found by black-box search, not by gradients)."""
+    ``personal=True`` adds a second adapter ``lora_local`` and mixing weights (w_0, w_1) of the
+    two: y = base(x) + w_0 * lora(x) + w_1 * lora_local(x) (FDLoRA's dual LoRA, FedDPA's global
+    and local adapters, FedALT's rest-of-world and local LoRA). The weights are
+      * ``lora_fusion``, a frozen parameter the algorithm sets (FDLoRA's black-box search), so
+        they travel with the client's adapters; or, while an algorithm sets it,
+      * ``instance_fusion``, one (w_0, w_1) per sequence of the batch, shape (batch, 2) (FedDPA's
+        instance-wise dynamic weighting), not a parameter; or
+      * with ``mixer=True``, ``lora_mixer``: a bias-free linear map of the token to two logits,
+        softmax per token (FedALT's adaptive mixer, lora_route in jmbian/FedALT peft/tuners/lora.py).
+    ``merged=True`` adds ``lora_merged``, a frozen (out x in) matrix added to the base's output:
+    what FLoRA's server merges into the global model each round (merge_and_unload in the authors'
+    main.py), kept beside the base because the base is shared by every client of a process."""
 
-    def __init__(self, base: nn.Module, cfg: LoRAConfig, personal: bool = False):
+    def __init__(self, base: nn.Module, cfg: LoRAConfig, personal: bool = False, mixer: bool = False,
+                 merged: bool = False):
         super().__init__()
         in_f, out_f = linear_dims(base)
         self.base = base
@@ -85,7 +94,12 @@ class LoRALinear(nn.Module):
             p.requires_grad_(False)
         self.lora = LoRAWeights(in_f, out_f, cfg.rank)
         self.lora_local = LoRAWeights(in_f, out_f, cfg.rank) if personal else None
-        self.lora_fusion = nn.Parameter(torch.ones(2), requires_grad=False) if personal else None
+        self.lora_fusion = nn.Parameter(torch.ones(2), requires_grad=False) if personal and not mixer else None
+        self.lora_mixer = nn.Linear(in_f, 2, bias=False) if personal and mixer else None
+        if self.lora_mixer is not None:  # the authors' reset_parameters: kaiming-uniform, a = sqrt(5)
+            nn.init.kaiming_uniform_(self.lora_mixer.weight, a=math.sqrt(5))
+        self.lora_merged = nn.Parameter(torch.zeros(out_f, in_f), requires_grad=False) if merged else None
+        self.instance_fusion: torch.Tensor | None = None
         self.scaling = cfg.scaling
         self.dropout = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
 
@@ -93,9 +107,21 @@ class LoRALinear(nn.Module):
     def weight(self):  # some HF code reads `.weight` of projections (dtype/device checks)
         return self.base.weight
 
+    def mixing(self, x: torch.Tensor) -> torch.Tensor:
+        """(w_0, w_1) on the last axis, broadcastable against the output."""
+        if self.lora_mixer is not None:  # softmax in fp32 as the authors' forward
+            return torch.softmax(self.lora_mixer(x).float(), dim=-1).to(x.dtype)
+        if self.instance_fusion is not None:  # (batch, 2) -> (batch, 1, ..., 2)
+            w = self.instance_fusion.to(x.dtype)
+            return w.view(w.shape[0], *([1] * (x.dim() - 2)), 2)
+        return self.lora_fusion
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xd = self.dropout(x)
+        out = self.base(x)
+        if self.lora_merged is not None:
+            out = out + x @ self.lora_merged.t()
         if self.lora_local is None:
-            return self.base(x) + self.lora.delta(xd, self.scaling)
-        w = self.lora_fusion
-        return self.base(x) + w[0] * self.lora.delta(xd, self.scaling) + w[1] * self.lora_local.delta(xd, self.scaling)
+            return out + self.lora.delta(xd, self.scaling)
+        w = self.mixing(x)
+        return out + w[..., 0:1] * self.lora.delta(xd, self.scaling) + w[..., 1:2] * self.lora_local.delta(xd, self.scaling)

@@ -1,0 +1,179 @@
+"""FLoRA and FedALT: each method's defining rule against a hand computation, what leaves and
+what stays, which model is scored, and each layer against a re-implementation of its equations."""
+import pytest
+import torch
+
+from comix.algorithms import ClientState, make_algorithm
+from comix.algorithms.flora import STACK, stack
+from comix.algorithms.training import expert_lr, load_adapters
+from comix.models import LoRAConfig, param_role
+from comix.models.lora import LoRALinear
+from test_algorithms import _client, _train, setup  # noqa: F401 (setup: the shared tiny fixture)
+
+
+def _algo(name, n=3, **options):
+    return make_algorithm(name, LoRAConfig(r=4), _train(), n, **options)
+
+
+def _round(algo, clients, payloads):
+    uploads = {}
+    for c, (ctx, state) in clients.items():
+        clients[c] = (ctx, algo.client_round(ctx, state, payloads.get(c, {}))[0])
+        uploads[c] = algo.upload_of(clients[c][1].adapters)
+    return uploads
+
+
+def test_round_linear_is_a_trainer_per_round_linear_to_zero():
+    t = _train(lr=1.0, local_steps=4, schedule="round_linear")
+    assert [expert_lr(s, 99, t) for s in range(8)] == [1.0, 0.75, 0.5, 0.25, 1.0, 0.75, 0.5, 0.25]
+
+
+# -- FLoRA ---------------------------------------------------------------------------------------
+def test_flora_s_stacked_product_is_the_mean_of_the_clients_products_at_heterogeneous_ranks(setup):
+    model, users = setup
+    algo = _algo("flora", ranks=[4, 2, 3])
+    clients = {c: _client(algo, model, users, c) for c in range(3)}
+    uploads = _round(algo, clients, {})
+    assert {c: u[next(iter(u))].shape[0] for c, u in uploads.items()} == {0: 4, 1: 2, 2: 3}
+    stacked = stack(uploads)
+    for (module, ab), x in stacked.items():
+        if ab != "lora_A":
+            continue
+        b = stacked[(module, "lora_B")]
+        assert x.shape[0] == b.shape[1] == 9  # sum of the ranks
+        want = sum(uploads[c][f"{module}.lora.lora_B"] @ uploads[c][f"{module}.lora.lora_A"] for c in range(3)) / 3
+        assert torch.allclose(b @ x, want, atol=1e-6)
+        # FedIT's mean of factors is not the mean of products: the point of stacking
+        mean_b = sum(uploads[c][f"{module}.lora.lora_B"][:, :2] for c in range(3)) / 3
+        mean_a = sum(uploads[c][f"{module}.lora.lora_A"][:2] for c in range(3)) / 3
+        assert not torch.allclose(mean_b @ mean_a, want, atol=1e-6)
+
+
+def test_flora_merges_each_stack_once_catches_up_a_client_that_missed_rounds_and_scores_the_global_model(setup):
+    model, users = setup
+    algo = _algo("flora")
+    clients = {c: _client(algo, model, users, c) for c in range(3)}
+    server, payloads = algo.server_init({})
+    stacks = []
+    for sampled in ([0, 1, 2], [0, 1]):  # client 2 misses round 2
+        uploads = {}
+        for c in sampled:
+            ctx, state = clients[c]
+            state, uploads[c], _ = algo.client_round(ctx, state, payloads[c])
+            clients[c] = (ctx, state)
+        stacks.append(stack(uploads))
+        server, payloads = algo.server_round(server, uploads)
+    assert {int(n.split(STACK)[1].split(".")[0]) for n in payloads[2]} == {1, 2}  # everything it has not merged
+    assert {int(n.split(STACK)[1].split(".")[0]) for n in payloads[0]} == {2}
+    want = {f"{m}.lora_merged": algo.scaling * sum(s[(m, "lora_B")] @ s[(m, "lora_A")] for s in stacks)
+            for (m, ab) in stacks[0] if ab == "lora_A"}
+    for c in range(3):
+        ctx, state = clients[c]
+        before = {n: t.clone() for n, t in state.adapters.items()}
+        scored = algo.personal_adapters(ctx, state, payloads[c])
+        assert all(torch.equal(state.adapters[n], t) for n, t in before.items())  # scoring changes no state
+        for n, w in want.items():
+            assert torch.allclose(scored[n], w, atol=1e-5), (c, n)
+        assert all(not t.any() for n, t in scored.items() if n.endswith(".lora.lora_B"))  # base + merged only
+        merged_once = algo.apply_payload(ClientState(adapters=dict(state.adapters), extra=dict(state.extra)),
+                                         payloads[c])
+        twice = algo.apply_payload(merged_once, payloads[c])  # a payload that arrives again merges nothing
+        assert all(torch.equal(twice.adapters[n], scored[n]) for n in want)
+
+
+def test_flora_trains_a_fresh_lora_each_round_from_b_zero(setup, monkeypatch):
+    model, users = setup
+    algo = _algo("flora")
+    ctx, state = _client(algo, model, users, 0)
+    state, up1, _ = algo.client_round(ctx, state, {})
+    server, payloads = algo.server_round(algo.server_init({})[0], {0: up1})
+    starts = []
+    real = algo.local_training
+    monkeypatch.setattr(algo, "local_training", lambda ctx, st, gen: starts.append(
+        {n: p.detach().clone() for n, p in ctx.model.named_parameters() if param_role(n) == "attention_lora"})
+        or real(ctx, st, gen))
+    state, up2, _ = algo.client_round(ctx, state, payloads[0])
+    start = starts[0]
+    assert all(not t.any() for n, t in start.items() if n.endswith("lora_B"))
+    assert all(not torch.equal(t, up1[n]) for n, t in start.items() if n.endswith("lora_A"))
+
+
+def test_flora_layer_equals_peft_s_merge_of_the_stacked_lora():
+    """The authors merge the stacked LoRA with PEFT (r = sum r_k, lora_alpha = scaling * r): the
+    merged matrix comix keeps equals PEFT's delta weight of that LoRA."""
+    from peft import LoraConfig, get_peft_model
+    torch.manual_seed(0)
+    net = torch.nn.Sequential()
+    net.add_module("q_proj", torch.nn.Linear(6, 5, bias=False))
+    a, b = torch.randn(7, 6), torch.randn(5, 7)
+    peft = get_peft_model(net, LoraConfig(r=7, lora_alpha=2.0 * 7, target_modules=["q_proj"], lora_dropout=0.0))
+    peft.base_model.model.q_proj.lora_A["default"].weight.data.copy_(a)
+    peft.base_model.model.q_proj.lora_B["default"].weight.data.copy_(b)
+    layer = LoRALinear(torch.nn.Linear(6, 5, bias=False), LoRAConfig(r=2, alpha=4.0, rslora=False), merged=True)
+    layer.lora_merged.data.copy_(2.0 * b @ a)
+    assert torch.allclose(layer.lora_merged, peft.base_model.model.q_proj.get_delta_weight("default"), atol=1e-5)
+    x = torch.randn(3, 6)
+    want = layer.base(x) + x @ (2.0 * b @ a).t() + layer.lora.delta(x, layer.scaling)
+    assert torch.allclose(layer(x), want, atol=1e-5)
+
+
+# -- FedALT --------------------------------------------------------------------------------------
+def test_fedalt_s_rest_of_world_is_the_mean_of_the_others_own_loras_never_the_client_s(setup):
+    model, users = setup
+    algo = _algo("fedalt", n=3)
+    clients = {c: _client(algo, model, users, c) for c in range(3)}
+    uploads = _round(algo, clients, {})
+    assert all({param_role(n) for n in u} == {"personal_lora"} for u in uploads.values())
+    _, payloads = algo.server_round(None, uploads)
+    for c in range(3):
+        others = [j for j in range(3) if j != c]
+        assert set(payloads[c]) == {n.replace(".lora_local.", ".lora.") for n in uploads[c]}
+        for n, t in uploads[c].items():
+            row = payloads[c][n.replace(".lora_local.", ".lora.")]
+            assert torch.allclose(row, sum(uploads[j][n] for j in others) / 2)  # A and B averaged apart
+            assert not torch.allclose(row, sum(uploads[j][n] for j in range(3)) / 3)
+    _, alone = algo.server_round(None, {1: uploads[1]})
+    assert alone[1] == {} and set(alone[0]) == set(payloads[0])  # nobody else replied: keep the old one
+    ctx, state = clients[0]
+    with pytest.raises(ValueError, match="rest-of-world"):
+        algo.apply_payload(state, dict(uploads[0]))  # the client's own LoRA is never overwritten
+
+
+def test_fedalt_trains_its_own_lora_and_mixer_and_leaves_the_rest_of_world_alone(setup):
+    model, users = setup
+    algo = _algo("fedalt")
+    clients = {c: _client(algo, model, users, c) for c in range(3)}
+    _, payloads = algo.server_round(None, _round(algo, clients, {}))
+    ctx, state = clients[0]
+    algo.apply_payload(state, payloads[0])
+    before = {n: t.clone() for n, t in state.adapters.items()}
+    state, _, _ = algo.client_round(ctx, state, {})
+    moved = {param_role(n) for n, t in state.adapters.items() if not torch.equal(t, before[n])}
+    assert moved == {"personal_lora", "mixer"}
+    assert all(p.grad is None or not p.requires_grad for n, p in ctx.model.named_parameters()
+               if param_role(n) == "attention_lora")
+    assert all(torch.equal(state.adapters[n], payloads[0][n]) for n in payloads[0])
+
+
+def test_fedalt_layer_equals_the_authors_forward():
+    """jmbian/FedALT lora.py: y = W x + sum_i softmax(route(x))_i * (alpha / r) B_i A_i x, per token."""
+    torch.manual_seed(1)
+    layer = LoRALinear(torch.nn.Linear(6, 5), LoRAConfig(r=3, alpha=12.0, rslora=False), personal=True, mixer=True)
+    for w in (layer.lora, layer.lora_local):
+        torch.nn.init.normal_(w.lora_B)
+    x = torch.randn(2, 4, 6)
+    gate = torch.softmax(x @ layer.lora_mixer.weight.t(), dim=-1)
+    parts = [(x @ w.lora_A.t()) @ w.lora_B.t() * 4.0 for w in (layer.lora, layer.lora_local)]
+    want = layer.base(x) + gate[..., 0:1] * parts[0] + gate[..., 1:2] * parts[1]
+    assert torch.allclose(layer(x), want, atol=1e-5)
+    assert not torch.allclose(layer(x), layer.base(x) + (parts[0] + parts[1]) / 2, atol=1e-4)  # weights per token
+
+
+def test_recent_methods_run_end_to_end_and_score_each_round(setup, tmp_path):
+    from comix.engines import run_method
+    model, users = setup
+    for name in ("flora", "fedalt"):
+        algo = make_algorithm(name, LoRAConfig(r=4), _train(rounds=2), 3)
+        results = run_method(algo, model, users, tmp_path / name, seed=3)
+        assert set(results["per_user"]) == {u.name for u in users}
+        assert all(v["test_ppl"] > 1 for v in results["per_user"].values())
