@@ -5,7 +5,7 @@ import torch
 
 from comix.algorithms import ClientState, make_algorithm
 from comix.algorithms.flora import STACK, stack
-from comix.algorithms.training import expert_lr, load_adapters
+from comix.algorithms.training import expert_lr
 from comix.models import LoRAConfig, param_role
 from comix.models.lora import LoRALinear
 from test_algorithms import _client, _train, setup  # noqa: F401 (setup: the shared tiny fixture)
