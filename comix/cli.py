@@ -149,6 +149,8 @@ def cmd_export(args) -> int:
         print(f"  {man['note']}" + (f"; {len(man['experts'])} experts as PEFT folders under {out}/experts "
                                     "(approximations)" if man.get("experts") else ""))
     print(f"  exact model: comix.load_personal('{out}'); try: comix generate {out} \"Hello\"")
+    if man.get("caveat"):
+        print(f"  note: {man['caveat']}")
     return 0
 
 

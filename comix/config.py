@@ -88,6 +88,7 @@ class RunConfig:
     fedjets: object = field(default_factory=SECTIONS["fedjets"])
     flora: object = field(default_factory=SECTIONS["flora"])
     fedalt: object = field(default_factory=SECTIONS["fedalt"])
+    feddpa: object = field(default_factory=SECTIONS["feddpa"])
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)  # client-level DP (comix/privacy.py)
     # the train.* keys the recipe or command line set (written by comix into a run's config.yaml):
     # every other optimiser key takes the method's own default (Algorithm.train_defaults)

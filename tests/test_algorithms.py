@@ -74,7 +74,8 @@ EXPECTED_SHARED = {
     "fedmole": {"amole_shared", "amole_router", "domain_expert"},
     "fedamole-a": {"amole_shared", "amole_router", "domain_expert", "embedding"},  # = fedamole-vanilla
     "fedamole-s": {"amole_router", "domain_expert", "embedding"},
-    "flora": {"attention_lora"},  # this round's fresh LoRA; never the merged update it holds
+    "flora": {"attention_lora"},
+    "feddpa-t": {"attention_lora"}, "feddpa-f": {"attention_lora"},  # the global LoRA; never the local one  # this round's fresh LoRA; never the merged update it holds
     # its own LoRA (the others' mean of it comes back as their rest-of-world); never the rest-of-world
     # LoRA it was sent or its mixer
     "fedalt": {"personal_lora"},
@@ -402,10 +403,11 @@ def test_each_method_s_effective_optimiser_and_its_source(method):
         assert got == dict(lr=5e-5, schedule="round_decay", lr_decay=0.99, weight_decay=0.0, betas=[0.9, 0.999],
                            optimizer_state="round")
         assert "FedAMoLE journal Sec. V-A-4" in cls.train_defaults_source
-    elif method in ("flora", "fedalt"):  # a transformers Trainer per round: AdamW 3e-4, linear decay to 0
+    elif method in ("flora", "fedalt", "feddpa-t", "feddpa-f"):  # a transformers Trainer per round: AdamW 3e-4, linear decay to 0
         assert got == dict(lr=3e-4, schedule="round_linear", lr_decay=0.99, weight_decay=0.05 if method == "fedalt"
                            else 0.0, betas=[0.9, 0.999], optimizer_state="round")
-        assert {"flora": "ATP-1010/FederatedLLM main.py", "fedalt": "jmbian/FedALT client.py"}[method] in \
+        assert {"flora": "ATP-1010/FederatedLLM main.py", "fedalt": "jmbian/FedALT client.py",
+                "feddpa-t": "Lydia-yang/FedDPA main.py", "feddpa-f": "Lydia-yang/FedDPA main.py"}[method] in \
             cls.train_defaults_source
     else:
         assert got == dict(lr=2e-3, schedule="cosine", lr_decay=0.99, weight_decay=0.01, betas=[0.9, 0.95],

@@ -337,3 +337,32 @@ def _amole_expert_folders_are_their_forced_routing(model, out, ids):
         base, _ = load_base_model("tiny-llama")
         peft = PeftModel.from_pretrained(base, str(out / entry["peft"])).eval()
         assert torch.allclose(_logits(peft, ids), want, atol=1e-5), j
+
+
+def test_flora_fedalt_and_feddpa_export_what_they_hold(tmp_path):
+    """FLoRA's merged update and FedALT's mixer survive the run folder: the rebuilt model scores as
+    the run scored it; FedDPA's PEFT folder is its pair at the authors' fixed weights, with a caveat."""
+    from peft import PeftModel
+
+    from comix.config import load_config
+    from comix.data import load_corpus, make_user_data
+    from comix.eval import perplexity
+
+    data = _user_dirs(tmp_path / "data")
+    run = tmp_path / "run"
+    assert main(["run", f"corpus={data}", f"run_dir={run}", "methods=[flora,fedalt,feddpa-t]", *TINY]) == 0
+    cfg = load_config(str(run / "config.yaml"))
+    for method in ("flora", "fedalt"):
+        model, tok, _ = rebuild(run / method, "bob")
+        user = next(u for u in make_user_data(load_corpus(cfg.corpus), tok, cfg.data) if u.name == "bob")
+        got = perplexity(model, user.test, cfg.train.seq_len, cfg.train.eval_batch_size)
+        assert got == pytest.approx(json.loads((run / method / "results.json").read_text())["per_user"]["bob"]["test_ppl"],
+                                    rel=1e-5)
+        man = json.loads((export_personal(run, "bob", tmp_path / method, method=method) / "manifest.json").read_text())
+        assert man["kind"] == "comix" and "caveat" not in man
+    out = export_personal(run, "bob", tmp_path / "feddpa", method="feddpa-t")
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["kind"] == "lora" and "fixed weights (0.5, 0.5)" in man["caveat"]
+    model, _, _ = rebuild(run / "feddpa-t", "bob")
+    peft = PeftModel.from_pretrained(load_base_model("tiny-llama")[0], str(out)).eval()
+    assert torch.allclose(_logits(peft, _ids()), _logits(model, _ids()), atol=1e-5)

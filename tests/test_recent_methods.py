@@ -1,11 +1,11 @@
-"""FLoRA and FedALT: each method's defining rule against a hand computation, what leaves and
+"""FLoRA, FedALT and FedDPA: each method's defining rule against a hand computation, what leaves and
 what stays, which model is scored, and each layer against a re-implementation of its equations."""
 import pytest
 import torch
 
 from comix.algorithms import ClientState, make_algorithm
 from comix.algorithms.flora import STACK, stack
-from comix.algorithms.training import expert_lr
+from comix.algorithms.training import expert_lr, load_adapters
 from comix.models import LoRAConfig, param_role
 from comix.models.lora import LoRALinear
 from test_algorithms import _client, _train, setup  # noqa: F401 (setup: the shared tiny fixture)
@@ -177,3 +177,92 @@ def test_recent_methods_run_end_to_end_and_score_each_round(setup, tmp_path):
         results = run_method(algo, model, users, tmp_path / name, seed=3)
         assert set(results["per_user"]) == {u.name for u in users}
         assert all(v["test_ppl"] > 1 for v in results["per_user"].values())
+
+
+# -- FedDPA --------------------------------------------------------------------------------------
+def _roles_moved(before, after):
+    return {param_role(n) for n, t in after.items() if not torch.equal(t, before[n])}
+
+
+def test_feddpa_t_trains_the_global_lora_alone_first_then_local_beside_the_frozen_global_then_global(setup,
+                                                                                                     monkeypatch):
+    from comix.algorithms import feddpa
+    model, users = setup
+    algo = _algo("feddpa-t")
+    ctx, state = _client(algo, model, users, 0)
+    seen = []
+    real = feddpa.lm_loss
+
+    def spy(m, x, y):
+        layer = feddpa.pairs(m)[0]
+        seen.append((tuple(layer.instance_fusion.tolist()), layer.lora.lora_A.requires_grad,
+                     layer.lora_local.lora_A.requires_grad))
+        return real(m, x, y)
+    monkeypatch.setattr(feddpa, "lm_loss", spy)
+    before = dict(state.adapters)
+    state, up, _ = algo.client_round(ctx, state, {})
+    assert _roles_moved(before, state.adapters) == {"attention_lora"}  # round 1: the global LoRA alone
+    assert seen == [((1.0, 0.0), True, False)] * 3 and {param_role(n) for n in up} == {"attention_lora"}
+    seen.clear()
+    before = dict(state.adapters)
+    state, up, _ = algo.client_round(ctx, state, {})
+    assert _roles_moved(before, state.adapters) == {"attention_lora", "personal_lora"}
+    assert seen == [((0.5, 0.5), False, True)] * 3 + [((1.0, 0.0), True, False)] * 3  # local phase, then global
+    assert {param_role(n) for n in up} == {"attention_lora"}  # the local LoRA never leaves
+    assert all(p.grad is None or not p.grad.any() for n, p in ctx.model.named_parameters() if param_role(n) == "base")
+
+
+def test_feddpa_f_trains_like_fedit_and_fine_tunes_the_local_lora_from_the_global_one_at_the_end(setup):
+    model, users = setup
+    algo = _algo("feddpa-f")
+    ctx, state = _client(algo, model, users, 0)
+    for _ in range(2):
+        before = dict(state.adapters)
+        state, _, _ = algo.client_round(ctx, state, {})
+        assert _roles_moved(before, state.adapters) == {"attention_lora"}
+    from comix.algorithms.feddpa import DynamicWeighting
+    assert not isinstance(algo.scoring(ctx, state), DynamicWeighting)  # the global LoRA alone is scored
+    final = {n: t + 0.01 for n, t in state.adapters.items() if param_role(n) == "attention_lora"}
+    state = algo.client_finish(ctx, state, final)
+    assert all(torch.equal(state.adapters[n], t) for n, t in final.items())  # the final global kept
+    local = {n.replace(".lora.", ".lora_local."): t for n, t in final.items()}
+    moved = [n for n, t in local.items() if not torch.equal(state.adapters[n], t)]
+    assert moved and isinstance(algo.scoring(ctx, state), DynamicWeighting)
+    # it started from the global LoRA: B moved a little from the global B, not from zero
+    b = next(n for n in local if n.endswith("lora_B"))
+    assert (state.adapters[b] - local[b]).abs().max() < local[b].abs().max()
+
+
+def test_feddpa_s_dynamic_weights_are_the_authors_mean_cosine_and_causal(setup):
+    """Global weight w * mean_j cos(e_t, ref_j) with e_t the local-adapter-only last hidden state
+    (GlobalModel_generated.py get_weight); a position's weight and output never depend on later tokens."""
+    from comix.algorithms.feddpa import DynamicWeighting, last_hidden, pairs
+    model, users = setup
+    algo = _algo("feddpa-t")
+    ctx, state = _client(algo, model, users, 0)
+    for n in state.adapters:  # both adapters non-zero so that the weights matter
+        state.adapters[n] = torch.randn_like(state.adapters[n]) * 0.2 if n.endswith("lora_B") else state.adapters[n]
+    load_adapters(ctx.model, state.adapters)
+    ctx.model.eval()
+    refs = torch.randn(6, ctx.model.config.hidden_size)
+    x = users[0].test[:24].long().view(2, 12)
+    weighting = DynamicWeighting(ctx.model, refs, instances=6, w=0.5, seed=0)  # all 6: no draw to reproduce
+    with weighting, torch.no_grad():
+        logits = ctx.model(input_ids=x).logits
+        fusion = pairs(ctx.model)[0].instance_fusion.clone()
+    e = last_hidden(ctx.model, x)
+    want = 0.5 * torch.nn.functional.cosine_similarity(e[:, :, None], refs[None, None], dim=-1).mean(-1)
+    assert torch.allclose(fusion[..., 0], want, atol=1e-5) and torch.allclose(fusion[..., 1], 1 - want, atol=1e-5)
+    layer = pairs(ctx.model)[0]
+    h = torch.randn(2, 12, layer.lora.lora_A.shape[1])
+    layer.instance_fusion = fusion
+    by_hand = layer.base(h) + fusion[..., :1] * layer.lora.delta(h, layer.scaling) + \
+        fusion[..., 1:] * layer.lora_local.delta(h, layer.scaling)
+    assert torch.allclose(layer(h), by_hand, atol=1e-5)
+    layer.instance_fusion = None
+    y = x.clone()
+    y[:, 8:] = (y[:, 8:] + 1) % ctx.model.config.vocab_size  # change only the future of position 7
+    with DynamicWeighting(ctx.model, refs, instances=6, w=0.5, seed=0), torch.no_grad():
+        changed = ctx.model(input_ids=y).logits
+    assert torch.allclose(changed[:, :8], logits[:, :8], atol=1e-5)
+    assert all(m.instance_fusion is None for m in pairs(ctx.model))  # nothing left set after scoring

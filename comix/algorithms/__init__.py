@@ -23,6 +23,7 @@ from .fdlora_fedamole import FDLoRAFedAMoLE
 from .fedamole import FedAMoLE
 from .fedalt import FedALT
 from .fedavg import FedAvg, FedIT, FedITFT
+from .feddpa import FedDPA
 from .fedjets import FedJETS
 from .fedsa_lora import FedSALoRA
 from .ffa_lora import FFALoRA
@@ -59,11 +60,12 @@ FEDAMOLE_VARIANTS = {  # Table III's ablations: the journal's names, then the ar
 CLASSES = (Pretrained, Local, FedAvg, Centralized, FFALoRA, FedSALoRA, PCL, FDLoRA, FDLoRAFedAMoLE, HetLoRA, FlexLoRA,
            PFedMoE, LocalMoE, FedAvgMoE, LocalMoETr, FedAvgMoETr, FedAMoLE, FedIT, FedITFT, FedPrompt,
            FedPromptFT, FedPTuning, FedPTuningFT, DeepFusion, CEOnly, FedKMT, OFAKD,
-           CentralMoE, FedJETS, FLoRA, FedALT)
+           CentralMoE, FedJETS, FLoRA, FedALT, FedDPA)
 REGISTRY: dict[str, tuple[type[Algorithm], dict]] = {
     **{cls.name: (cls, getattr(cls, "variant", {})) for cls in CLASSES},
     **{name: (CoMiGS, kw) for name, kw in COMIGS_VARIANTS.items()},
     **{name: (FedAMoLE, kw) for name, kw in FEDAMOLE_VARIANTS.items()},
+    "feddpa-f": (FedDPA, dict(iterative=False)),  # the paper's sequential variant (feddpa.py)
 }
 METHODS = tuple(REGISTRY)
 

@@ -16,6 +16,7 @@ A client's private state (``ClientState``) and the local training it runs by def
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
@@ -255,6 +256,15 @@ class Algorithm:
         if self.evaluate_local:
             return personal.adapters
         return self.apply_payload(personal, payload).adapters
+
+    # what an exported personal model lacks of how the run scored it (None: nothing), one line
+    export_caveat: str | None = None
+
+    def scoring(self, ctx: ClientContext, state: ClientState):
+        """A context manager under which the personal model (already in ``ctx.model``) is scored:
+        how it runs at test time when that differs from training (FedDPA's instance-wise weights
+        of its two adapters); nothing by default."""
+        return contextlib.nullcontext()
 
     def client_finish(self, ctx: ClientContext, state: ClientState, payload: Tensors) -> ClientState:
         """After the last server round: take the final payload (FDLoRA also fuses here)."""

@@ -226,5 +226,7 @@ class Device:
 
     def evaluate(self, payload: Tensors, user: UserData) -> dict:
         t0 = time.perf_counter()
-        out = evaluate(self.personal_model(payload), user, self.algorithm.train, self.runtime)
+        model = self.personal_model(payload)
+        with self.algorithm.scoring(self.context(), self.store[self.client]):
+            out = evaluate(model, user, self.algorithm.train, self.runtime)
         return {**out, "eval_s": round(time.perf_counter() - t0, 4)}  # Table IV's testing latency

@@ -77,8 +77,8 @@ class LoRALinear(nn.Module):
     and local adapters, FedALT's rest-of-world and local LoRA). The weights are
       * ``lora_fusion``, a frozen parameter the algorithm sets (FDLoRA's black-box search), so
         they travel with the client's adapters; or, while an algorithm sets it,
-      * ``instance_fusion``, one (w_0, w_1) per sequence of the batch, shape (batch, 2) (FedDPA's
-        instance-wise dynamic weighting), not a parameter; or
+      * ``instance_fusion``, not a parameter: one (w_0, w_1) for the call, per sequence (batch, 2)
+        or per sequence and token (batch, tokens, 2) (FedDPA's instance-wise dynamic weighting); or
       * with ``mixer=True``, ``lora_mixer``: a bias-free linear map of the token to two logits,
         softmax per token (FedALT's adaptive mixer, lora_route in jmbian/FedALT peft/tuners/lora.py).
     ``merged=True`` adds ``lora_merged``, a frozen (out x in) matrix added to the base's output:
@@ -111,9 +111,9 @@ class LoRALinear(nn.Module):
         """(w_0, w_1) on the last axis, broadcastable against the output."""
         if self.lora_mixer is not None:  # softmax in fp32 as the authors' forward
             return torch.softmax(self.lora_mixer(x).float(), dim=-1).to(x.dtype)
-        if self.instance_fusion is not None:  # (batch, 2) -> (batch, 1, ..., 2)
+        if self.instance_fusion is not None:  # (2,) | (batch, 2) -> (batch, 1, ..., 2) | (batch, tokens, 2)
             w = self.instance_fusion.to(x.dtype)
-            return w.view(w.shape[0], *([1] * (x.dim() - 2)), 2)
+            return w.view(w.shape[0], *([1] * (x.dim() - 2)), 2) if w.dim() == 2 else w
         return self.lora_fusion
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -120,6 +120,8 @@ def export_personal(path: Path, user: str | None, out: Path, method: str | None 
                 "n_clients": info["n_clients"], "kind": kind, "base": {"spec": cfg.model, "sha256": info["base_sha256"]},
                 "config": run_config(method_dir).read_text(),
                 "adapters": ADAPTERS}
+    if algo.export_caveat:
+        manifest["caveat"] = algo.export_caveat
     if kind == "comix":
         manifest["peft"] = None
         manifest["note"] = (f"{', '.join(sorted(roles - PLAIN - MIXTURE))} have no PEFT form: comix.load_personal "
