@@ -20,7 +20,8 @@ ROLE_WORDS = {"attention_lora": "attention LoRA", "mlp_lora": "MLP LoRA", "gener
               "specialist": "specialist experts", "router": "router", "personal_lora": "personal LoRA",
               "fusion": "fusion weights", "mixer": "token mixer", "merged": "merged global update",
               "amole_shared": "shared expert", "amole_router": "token projection", "amole_slots": "expert slots",
-              "domain_expert": "assigned experts", "embedding": "data embeddings", "prompt": "soft prompt"}
+              "domain_expert": "assigned experts", "embedding": "data embeddings", "prompt": "soft prompt",
+              "lease_expert": "cluster experts", "lease_router": "adaptive router", "lease_state": "(M, g)"}
 
 
 def _first_sentence(obj) -> str:

@@ -89,6 +89,7 @@ class RunConfig:
     flora: object = field(default_factory=SECTIONS["flora"])
     fedalt: object = field(default_factory=SECTIONS["fedalt"])
     feddpa: object = field(default_factory=SECTIONS["feddpa"])
+    fedlease: object = field(default_factory=SECTIONS["fedlease"])
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)  # client-level DP (comix/privacy.py)
     # the train.* keys the recipe or command line set (written by comix into a run's config.yaml):
     # every other optimiser key takes the method's own default (Algorithm.train_defaults)

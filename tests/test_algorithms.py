@@ -74,8 +74,9 @@ EXPECTED_SHARED = {
     "fedmole": {"amole_shared", "amole_router", "domain_expert"},
     "fedamole-a": {"amole_shared", "amole_router", "domain_expert", "embedding"},  # = fedamole-vanilla
     "fedamole-s": {"amole_router", "domain_expert", "embedding"},
-    "flora": {"attention_lora"},
-    "feddpa-t": {"attention_lora"}, "feddpa-f": {"attention_lora"},  # the global LoRA; never the local one  # this round's fresh LoRA; never the merged update it holds
+    "flora": {"attention_lora"},  # this round's fresh LoRA; never the merged update it holds
+    "feddpa-t": {"attention_lora"}, "feddpa-f": {"attention_lora"},  # the global LoRA; never the local one
+    "fedlease": {"lease_expert"},  # at the warm-up's end: B of its LoRA (what the clustering reads), nothing else
     # its own LoRA (the others' mean of it comes back as their rest-of-world); never the rest-of-world
     # LoRA it was sent or its mixer
     "fedalt": {"personal_lora"},
@@ -95,7 +96,7 @@ def test_upload_contains_exactly_the_declared_shared_tensors(setup, method):
     model, users = setup
     # PCL uploads only in its mixing rounds: make round 1 one of them
     algo = _algo(method, experts=[2, 1, 3] if method == "comigs-1gxs" else None,
-                 options=dict(start_round=1) if method == "pcl" else None)
+                 options=dict(start_round=1) if method == "pcl" else dict(warmup=1) if method == "fedlease" else None)
     clients = [_client(algo, model, users, c) for c in range(3)]
     reference = {c: algo.upload_of(state.adapters) for c, (_, state) in enumerate(clients)}
     server_state, payloads = algo.server_init(reference)  # round 1's payloads, as the server sends them
@@ -403,11 +404,13 @@ def test_each_method_s_effective_optimiser_and_its_source(method):
         assert got == dict(lr=5e-5, schedule="round_decay", lr_decay=0.99, weight_decay=0.0, betas=[0.9, 0.999],
                            optimizer_state="round")
         assert "FedAMoLE journal Sec. V-A-4" in cls.train_defaults_source
-    elif method in ("flora", "fedalt", "feddpa-t", "feddpa-f"):  # a transformers Trainer per round: AdamW 3e-4, linear decay to 0
-        assert got == dict(lr=3e-4, schedule="round_linear", lr_decay=0.99, weight_decay=0.05 if method == "fedalt"
-                           else 0.0, betas=[0.9, 0.999], optimizer_state="round")
+    elif method in ("flora", "fedalt", "feddpa-t", "feddpa-f", "fedlease"):  # a transformers Trainer per round
+        assert got == dict(lr=3e-3 if method == "fedlease" else 3e-4, schedule="round_linear", lr_decay=0.99,
+                           weight_decay=0.05 if method in ("fedalt", "fedlease") else 0.0, betas=[0.9, 0.999],
+                           optimizer_state="round")
         assert {"flora": "ATP-1010/FederatedLLM main.py", "fedalt": "jmbian/FedALT client.py",
-                "feddpa-t": "Lydia-yang/FedDPA main.py", "feddpa-f": "Lydia-yang/FedDPA main.py"}[method] in \
+                "feddpa-t": "Lydia-yang/FedDPA main.py", "feddpa-f": "Lydia-yang/FedDPA main.py",
+                "fedlease": "lei-wang-link/FedLEASE client.py"}[method] in \
             cls.train_defaults_source
     else:
         assert got == dict(lr=2e-3, schedule="cosine", lr_decay=0.99, weight_decay=0.01, betas=[0.9, 0.95],

@@ -177,9 +177,10 @@ privacy: {clip: 0.05, noise_multiplier: 0.5}
             assert x["test_ppl"] == pytest.approx(y["test_ppl"], rel=1e-3)
 
 
-def test_ray_simulation_of_flora_and_fedalt_with_sampled_clients_equals_in_process(tmp_path):
-    """FLoRA's catch-up stacks (a client that missed rounds merges every stack it lacks) and
-    FedALT's per-client rest-of-world travel through Flower as in process."""
+def test_ray_simulation_of_the_recent_lora_mixtures_equals_in_process(tmp_path):
+    """FLoRA's catch-up stacks (a client that missed rounds merges every stack it lacks), FedALT's
+    per-client rest-of-world, FedDPA's dynamic weighting and FedLEASE's clusters travel through
+    Flower as in process."""
     pytest.importorskip("ray")
     cfg = tmp_path / "recent.yaml"
     cfg.write_text("""model: tiny-llama
@@ -192,10 +193,17 @@ train: {rounds: 3, local_steps: 1, batch_size: 2, seq_len: 32, clients_per_round
 """)
     assert main(["run", str(cfg), f"run_dir={tmp_path / 'inproc'}"]) == 0
     assert main(["run", str(cfg), f"run_dir={tmp_path / 'sim'}", "engine=flower-sim", "threads=2"]) == 0
-    for method in ("flora", "fedalt"):
-        a, b = (_rows(tmp_path / run / method / "metrics.jsonl") for run in ("sim", "inproc"))
-        assert [(x["user"], x["sampled"], x["bytes_down"]) for x in a] == \
-            [(y["user"], y["sampled"], y["bytes_down"]) for y in b]
+    # FedDPA's scoring hook and FedLEASE's clustering and per-round uploads, every client every round
+    full = cfg.read_text().replace("methods: [flora, fedalt]", "methods: [feddpa-t, fedlease]").replace(
+        "clients_per_round: 2", "clients_per_round: 0").replace("seed: 5", "seed: 5\nfedlease: {warmup: 1}")
+    (tmp_path / "full.yaml").write_text(full)
+    assert main(["run", str(tmp_path / "full.yaml"), f"run_dir={tmp_path / 'inproc2'}"]) == 0
+    assert main(["run", str(tmp_path / "full.yaml"), f"run_dir={tmp_path / 'sim2'}", "engine=flower-sim", "threads=2"]) == 0
+    for sim, inproc, method in (("sim", "inproc", "flora"), ("sim", "inproc", "fedalt"),
+                                ("sim2", "inproc2", "feddpa-t"), ("sim2", "inproc2", "fedlease")):
+        a, b = (_rows(tmp_path / run / method / "metrics.jsonl") for run in (sim, inproc))
+        assert [(x["user"], x["sampled"], x["bytes_up"], x["bytes_down"]) for x in a] == \
+            [(y["user"], y["sampled"], y["bytes_up"], y["bytes_down"]) for y in b]
         scored = [(x, y) for x, y in zip(a, b) if "test_ppl" in y]
         assert len(scored) == 6 and all(x["test_ppl"] == pytest.approx(y["test_ppl"], rel=1e-4) for x, y in scored)
 

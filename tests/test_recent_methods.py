@@ -11,15 +11,15 @@ from comix.models.lora import LoRALinear
 from test_algorithms import _client, _train, setup  # noqa: F401 (setup: the shared tiny fixture)
 
 
-def _algo(name, n=3, **options):
-    return make_algorithm(name, LoRAConfig(r=4), _train(), n, **options)
+def _algo(name, n=3, rounds=2, **options):
+    return make_algorithm(name, LoRAConfig(r=4), _train(rounds=rounds), n, **options)
 
 
 def _round(algo, clients, payloads):
     uploads = {}
     for c, (ctx, state) in clients.items():
-        clients[c] = (ctx, algo.client_round(ctx, state, payloads.get(c, {}))[0])
-        uploads[c] = algo.upload_of(clients[c][1].adapters)
+        state, uploads[c], _ = algo.client_round(ctx, state, payloads.get(c, {}))
+        clients[c] = (ctx, state)
     return uploads
 
 
@@ -266,3 +266,165 @@ def test_feddpa_s_dynamic_weights_are_the_authors_mean_cosine_and_causal(setup):
         changed = ctx.model(input_ids=y).logits
     assert torch.allclose(changed[:, :8], logits[:, :8], atol=1e-5)
     assert all(m.instance_fusion is None for m in pairs(ctx.model))  # nothing left set after scoring
+
+
+# -- FedLEASE ------------------------------------------------------------------------------------
+def _authors_lease_forward(layer, x, m, own):
+    """lei-wang-link/FedLEASE peft/tuners/lora.py (adaptive=True), transcribed: softmax over 2M - 1
+    logits, top-M renormalised, logits M.. mapped to the own expert, a masked sum per pick."""
+    rows = list(range(m)) + list(range(layer.slots, layer.slots + m - 1))
+    route = torch.softmax(x @ layer.lease_router.weight[rows].t(), dim=-1)
+    top_w, top_i = torch.topk(route, m, dim=-1)
+    top_w = top_w / top_w.sum(-1, keepdim=True)
+    mapping = torch.arange(route.shape[-1])
+    mapping[m:] = own
+    result = layer.base(x)
+    for k in range(m):
+        experts = mapping[top_i[:, :, k]]
+        w = top_w[:, :, k].unsqueeze(-1)
+        for i in range(m):
+            mask = experts == i
+            if mask.any():
+                e = layer.lease_experts[i]
+                masked = torch.zeros_like(w)
+                masked[mask] = w[mask]
+                result = result + masked * ((x @ e.lora_A.t()) @ e.lora_B.t()) * layer.scaling
+    return result
+
+
+def test_fedlease_layer_equals_the_authors_adaptive_top_m_and_always_picks_the_own_expert():
+    from comix.models.lease import LeaseConfig, LeaseLinear
+    torch.manual_seed(2)
+    layer = LeaseLinear(torch.nn.Linear(6, 5), LeaseConfig(r=2, alpha=8.0, slots=4)).eval()
+    for e in layer.lease_experts:
+        torch.nn.init.normal_(e.lora_B)
+    x = torch.randn(2, 7, 6)
+    assert torch.allclose(layer(x), layer.base(x) + (x @ layer.lease_experts[0].lora_A.t())
+                          @ layer.lease_experts[0].lora_B.t() * 4.0, atol=1e-5)  # warm-up: one plain LoRA
+    for m, own in ((3, 1), (4, 3), (2, 0)):
+        layer.lease_state.data = torch.tensor([float(m), float(own)])
+        assert torch.allclose(layer(x), _authors_lease_forward(layer, x, m, own), atol=1e-5), (m, own)
+        w = layer.expert_weights(x)
+        assert w.shape[-1] == m and (w[..., own] > 0).all() and torch.allclose(w.sum(-1), torch.ones(2, 7))
+
+
+def test_fedlease_clusters_clients_by_their_b_matrices_and_picks_the_count_by_silhouette():
+    from comix.algorithms.fedlease import client_distances, cluster_clients
+    torch.manual_seed(0)
+    dirs = [torch.randn(4, 2) for _ in range(3)]
+    groups = [0, 0, 1, 1, 2, 2, 2]
+    names = [f"m.layers.{i}.self_attn.{p}.lease_experts.0.lora_B" for i in range(2) for p in ("q_proj", "v_proj")]
+    uploads = {c: {n: dirs[g] + 0.05 * torch.randn(4, 2) for n in names} for c, g in enumerate(groups)}
+    d = client_distances(uploads, list(range(7)))
+    by_hand = sum(1 - torch.nn.functional.cosine_similarity(uploads[0][n].flatten(), uploads[3][n].flatten(), dim=0)
+                  for n in names) / len(names)
+    assert d[0, 3] == pytest.approx(float(by_hand), abs=1e-5) and d[0, 0] == 0 and d[3, 0] == d[0, 3]
+    labels = cluster_clients(d, max_clusters=4)
+    assert len(set(labels)) == 3  # three groups, not 2 or 4
+    assert all((labels[a] == labels[b]) == (groups[a] == groups[b]) for a in range(7) for b in range(7))
+    assert len(set(cluster_clients(d, max_clusters=2))) == 2  # never more than allowed
+
+
+def test_fedlease_uploads_nothing_in_warm_up_b_at_its_end_then_own_expert_and_router_averaged_per_cluster(setup):
+    model, users = setup
+    algo = _algo("fedlease", n=3, rounds=4, warmup=2, max_clusters=2)
+    clients = {c: _client(algo, model, users, c) for c in range(3)}
+    server, payloads = algo.server_init({})
+    reference = {c: algo.upload_of(clients[c][1].adapters) for c in range(3)}
+    uploads = {}
+    for rnd in (1, 2, 3):
+        uploads = {}
+        for c, (ctx, state) in clients.items():
+            state, uploads[c], _ = algo.client_round(ctx, state, payloads[c])
+            clients[c] = (ctx, state)
+            expected = algo.expected_upload(server, c, reference[c])
+            assert set(uploads[c]) == set(expected) and algo.check_upload(uploads[c], expected) is None
+        if rnd == 1:
+            assert all(u == {} for u in uploads.values())
+        if rnd == 2:
+            assert all(n.endswith("lease_experts.0.lora_B") for u in uploads.values() for n in u) and uploads[0]
+            warmed = {c: dict(clients[c][1].adapters) for c in range(3)}
+        if rnd == 3:
+            groups = server["groups"]
+            for c, u in uploads.items():
+                assert {param_role(n) for n in u} == {"lease_expert", "lease_router"}
+                assert {int(n.split(".lease_experts.")[1][0]) for n in u if "lease_experts" in n} == {groups[c]}
+        server, payloads = algo.server_round(server, uploads)
+        if rnd == 2:  # the scored model after the warm-up is each client's own LoRA
+            for c, (ctx, state) in clients.items():
+                scored = algo.personal_adapters(ctx, state, payloads[c])
+                assert all(torch.equal(scored[n], t) for n, t in warmed[c].items())
+    groups = server["groups"]
+    assert sorted(set(groups)) == [0, 1]
+    for c in range(3):
+        for n, t in payloads[c].items():
+            if "lease_experts" in n:
+                g = int(n.split(".lease_experts.")[1][0])
+                members = [j for j in range(3) if groups[j] == g]
+                assert torch.allclose(t, sum(uploads[j][n] for j in members) / len(members))
+            elif param_role(n) == "lease_router":
+                members = [j for j in range(3) if groups[j] == groups[c]]
+                assert torch.allclose(t, sum(uploads[j][n] for j in members) / len(members))
+        assert {int(n.split(".lease_experts.")[1][0]) for n in payloads[c] if "lease_experts" in n} == {0, 1}
+
+
+def test_fedlease_moves_the_warmed_lora_to_its_cluster_s_slot_and_trains_only_its_expert_and_router(setup):
+    model, users = setup
+    algo = _algo("fedlease", n=3, warmup=1, max_clusters=2)
+    clients = {c: _client(algo, model, users, c) for c in range(3)}
+    server, payloads = algo.server_init({})
+    server, payloads = algo.server_round(server, _round(algo, clients, payloads))  # round 1 ends the warm-up
+    c = 0
+    ctx, state = clients[c]
+    g = server["groups"][c]
+    warm = {n: t.clone() for n, t in state.adapters.items() if ".lease_experts.0." in n}
+    assert any(t.any() for n, t in warm.items() if n.endswith("lora_B"))
+    seen = {}
+    real = algo.local_training
+    algo.local_training = lambda ctx, st, gen: seen.update({n: t.clone() for n, t in st.adapters.items()}) or \
+        real(ctx, st, gen)
+    state, up, _ = algo.client_round(ctx, state, payloads[c])
+    for n, t in warm.items():  # the warmed LoRA sits in slot g when training starts; slot 0 starts afresh
+        assert torch.equal(seen[n.replace(".lease_experts.0.", f".lease_experts.{g}.")], t)
+    moved = {n for n, t in state.adapters.items() if not torch.equal(t, seen[n])}
+    assert moved and all(param_role(n) == "lease_router" or f".lease_experts.{g}." in n for n in moved)
+    assert all(t.tolist() == [2.0, float(g)] for n, t in state.adapters.items() if param_role(n) == "lease_state")
+
+
+def test_a_client_s_dropout_does_not_depend_on_the_clients_before_it(setup, tmp_path):
+    """Dropout masks come from torch's global generator, seeded per client round by the device:
+    client 1 trains the same alone as after client 0, as it does in its own Flower process."""
+    from comix.engines.device import Device
+    from comix.engines.inprocess import ClientModels
+    model, users = setup
+    algo = _algo("fedit")  # dropout 0.05 (FedAMoLE Sec. V-A-4)
+    models = ClientModels(model, algo)
+    uploads = []
+    for order, process_seed in (([1], 123), ([0, 1], 456)):  # a process whose generator is elsewhere
+        torch.manual_seed(process_seed)
+        store = {}
+        devices = {c: Device(algo, models.for_client(c), users[c], c, 7, store) for c in order}
+        for c in order:
+            devices[c].init()
+            up, _ = devices[c].train({})
+        uploads.append(up)
+    assert all(torch.equal(uploads[0][n], uploads[1][n]) for n in uploads[0])
+
+
+@pytest.mark.parametrize("method", ["fedalt", "flora", "fedlease"])
+def test_fresh_adapters_draw_every_tensor_of_the_new_layers_from_the_seed(setup, method):
+    """A client's initial state depends on the seed alone (not on what the shared model held or
+    on torch's global generator), so every engine starts every client alike."""
+    from comix.engines.device import fresh_adapters
+    from comix.engines.inprocess import ClientModels
+    model, _ = setup
+    algo = _algo(method, rounds=3, **({"warmup": 1} if method == "fedlease" else {}))
+    m = ClientModels(model, algo).for_client(0)
+    first = fresh_adapters(m, 3)
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dtype.is_floating_point and param_role(next(n for n, q in m.named_parameters() if q is p)) != "base":
+                p.add_(torch.randn_like(p))
+    torch.manual_seed(99)
+    again = fresh_adapters(m, 3)
+    assert all(torch.equal(first[n], again[n]) for n in first)

@@ -24,6 +24,7 @@ from .fedamole import FedAMoLE
 from .fedalt import FedALT
 from .fedavg import FedAvg, FedIT, FedITFT
 from .feddpa import FedDPA
+from .fedlease import FedLEASE
 from .fedjets import FedJETS
 from .fedsa_lora import FedSALoRA
 from .ffa_lora import FFALoRA
@@ -60,7 +61,7 @@ FEDAMOLE_VARIANTS = {  # Table III's ablations: the journal's names, then the ar
 CLASSES = (Pretrained, Local, FedAvg, Centralized, FFALoRA, FedSALoRA, PCL, FDLoRA, FDLoRAFedAMoLE, HetLoRA, FlexLoRA,
            PFedMoE, LocalMoE, FedAvgMoE, LocalMoETr, FedAvgMoETr, FedAMoLE, FedIT, FedITFT, FedPrompt,
            FedPromptFT, FedPTuning, FedPTuningFT, DeepFusion, CEOnly, FedKMT, OFAKD,
-           CentralMoE, FedJETS, FLoRA, FedALT, FedDPA)
+           CentralMoE, FedJETS, FLoRA, FedALT, FedDPA, FedLEASE)
 REGISTRY: dict[str, tuple[type[Algorithm], dict]] = {
     **{cls.name: (cls, getattr(cls, "variant", {})) for cls in CLASSES},
     **{name: (CoMiGS, kw) for name, kw in COMIGS_VARIANTS.items()},

@@ -26,6 +26,7 @@ from ..eval import perplexity
 from ..eval.tasks import split_accuracy, split_response_nll, split_rouge_l
 from ..models import mixtures, routing_stats, set_record_stats
 from ..models.amole import AMoLELinear
+from ..models.lease import LeaseLinear
 from ..models.lora import LoRALinear, LoRAWeights
 from ..files import atomic_write
 from ..privacy import clip_upload
@@ -49,6 +50,13 @@ def fresh_adapters(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
                 m.lora_B.zero_()
             if isinstance(m, LoRALinear) and m.lora_fusion is not None:
                 m.lora_fusion.fill_(1.0)
+            if isinstance(m, LoRALinear) and m.lora_mixer is not None:  # FedALT's token mixer
+                kaiming(m.lora_mixer.weight)
+            if isinstance(m, LoRALinear) and m.lora_merged is not None:  # FLoRA: nothing merged yet
+                m.lora_merged.zero_()
+            if isinstance(m, LeaseLinear):  # FedLEASE: the router, and the warm-up's one expert
+                kaiming(m.lease_router.weight)
+                m.lease_state.copy_(torch.tensor([1.0, 0.0]))
         for m in mixtures(model):
             if m.router is not None:
                 kaiming(m.router.weight)
@@ -197,8 +205,13 @@ class Device:
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.runtime.device)
         t0 = time.perf_counter()
-        with self.runtime.autocast():
-            state, upload, metrics = self.algorithm.client_round(self.context(), self.store[self.client], payload)
+        state = self.store[self.client]
+        # dropout draws from torch's global generator: seeded from (run seed, client, step) for the
+        # round, so a client's masks do not depend on which clients ran before it in this process,
+        # and every engine (in process, one Flower process per device) draws the same ones
+        with torch.random.fork_rng(devices=[self.runtime.device] if cuda else []), self.runtime.autocast():
+            torch.manual_seed((self.seed * 1_000_003 + self.client) * 1_000_003 + state.step)
+            state, upload, metrics = self.algorithm.client_round(self.context(), state, payload)
         # DP-FedAvg's clip, here on the device: nothing unclipped leaves it. The norm of the update
         # (upload minus payload) is reported whatever the clip: what a user sets privacy.clip from.
         if upload and self.algorithm.dp_refusal() is None:

@@ -16,6 +16,8 @@ read from parameter names alone, so they survive state dicts and the wire:
   ``*.experts.<id>.lora_*``      FedAMoLE's domain expert <id> of an attention module (in states,
                                  uploads and payloads); ``rsea.*`` RSEA's embedding uploads
   ``prompt_encoder.*``           a soft prompt (PEFT prompt tuning / P-tuning)
+  ``*.lease_A|B``, ``*.lease_experts.<j>.*``  FedLEASE's experts (slots in the model, by id on the
+                                 wire); ``*.lease_router.*`` its router; ``*.lease_state`` its (M, g)
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import torch
 from torch import nn
 
 from .amole import AMoLEConfig, AMoLELinear
+from .lease import LeaseConfig, LeaseLinear
 from .lora import LoRAConfig, LoRALinear
 from .mixture import MixtureOfLoRA, MixtureOfLoRAMLP, detect_mlp_layout
 
@@ -68,6 +71,7 @@ class AdapterConfig:
     merged: bool = False             # a frozen matrix the server's merges add to each attention linear (FLoRA)
     mlp_lora: LoRAConfig | None = None
     amole: AMoLEConfig | None = None  # AMoLE modules on these attention linears (FedAMoLE)
+    lease: LeaseConfig | None = None  # FedLEASE's experts and adaptive router on these attention linears
     attention_targets: tuple[str, ...] = ()  # attention linears with LoRA (default: all of them)
     prompt: PromptConfig | None = None  # soft prompt (PEFT prompt learning) instead of weight adapters
 
@@ -109,6 +113,12 @@ def inject_adapters(model: nn.Module, cfg: AdapterConfig, n_experts: int | None 
                 if not hasattr(attn, name):
                     raise ValueError(f"fedamole.targets: {type(attn).__name__} has no {name!r}")
                 setattr(attn, name, AMoLELinear(getattr(attn, name), cfg.amole))
+        if cfg.lease is not None:
+            attn = _attention(block)
+            for name in cfg.lease.targets:
+                if not hasattr(attn, name):
+                    raise ValueError(f"fedlease.targets: {type(attn).__name__} has no {name!r}")
+                setattr(attn, name, LeaseLinear(getattr(attn, name), cfg.lease))
         if cfg.attention:
             attn = _attention(block)
             for name in cfg.attention_targets or ATTENTION_TARGETS:
@@ -166,6 +176,9 @@ def param_role(name: str) -> str:
         return "embedding"
     if name.startswith("prompt_encoder."):
         return "prompt"
+    if ".lease_" in name:  # FedLEASE: lease_A / lease_B (slots), lease_experts.<j>.* (on the wire), router, state
+        kind = name.split(".lease_")[1].split(".")[0]  # A | B | experts | router | state
+        return {"router": "lease_router", "state": "lease_state"}.get(kind, "lease_expert")
     if name.endswith((".expert_A", ".expert_B")):
         return "amole_slots"
     if name.endswith(".token_proj") or ".vanilla_router." in name:
