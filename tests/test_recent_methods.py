@@ -201,7 +201,8 @@ def test_feddpa_t_trains_the_global_lora_alone_first_then_local_beside_the_froze
     monkeypatch.setattr(feddpa, "lm_loss", spy)
     before = dict(state.adapters)
     state, up, _ = algo.client_round(ctx, state, {})
-    assert _roles_moved(before, state.adapters) == {"attention_lora"}  # round 1: the global LoRA alone
+    assert _roles_moved(before, state.adapters) - {"fusion"} == {"attention_lora"}  # round 1: the global LoRA alone
+    assert all(t.tolist() == [0.5, 0.5] for n, t in state.adapters.items() if param_role(n) == "fusion")  # export's
     assert seen == [((1.0, 0.0), True, False)] * 3 and {param_role(n) for n in up} == {"attention_lora"}
     seen.clear()
     before = dict(state.adapters)
@@ -219,7 +220,7 @@ def test_feddpa_f_trains_like_fedit_and_fine_tunes_the_local_lora_from_the_globa
     for _ in range(2):
         before = dict(state.adapters)
         state, _, _ = algo.client_round(ctx, state, {})
-        assert _roles_moved(before, state.adapters) == {"attention_lora"}
+        assert _roles_moved(before, state.adapters) - {"fusion"} == {"attention_lora"}
     from comix.algorithms.feddpa import DynamicWeighting
     assert not isinstance(algo.scoring(ctx, state), DynamicWeighting)  # the global LoRA alone is scored
     final = {n: t + 0.01 for n, t in state.adapters.items() if param_role(n) == "attention_lora"}
