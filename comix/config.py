@@ -67,6 +67,7 @@ class RunConfig:
     threads: int = 0                   # torch threads; 0 = torch's default
     device: str = "auto"               # auto (CUDA when present) | cpu | cuda | cuda:N
     precision: str = "fp32"            # fp32 | bf16 | fp16 (comix/runtime.py: fp32 adapter masters)
+    quant: str = "none"                # the frozen base's block linears: none | int8 | nf4 (QLoRA; models/quant.py)
     compile: bool | None = None        # torch.compile the mixtures' slot work; None (= auto): on CUDA only
     gpus_per_client: float = 0.0       # Flower simulation: GPU share of each virtual device (num_gpus)
     offload: bool = False              # keep idle clients' states on disk
@@ -130,6 +131,9 @@ class RunConfig:
             check_tensorboard()
         if not t.eval_splits or any(s not in ("valid", "test") for s in t.eval_splits):
             raise ConfigError(f"train.eval_splits must list valid and/or test, got {t.eval_splits}")
+        from .models.quant import check_quant
+        if check_quant(self.quant):
+            raise ConfigError(check_quant(self.quant))
         from .runtime import PRECISIONS
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")

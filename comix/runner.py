@@ -26,7 +26,7 @@ def load_inputs(cfg: RunConfig):
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    runtime = resolve(cfg.device, cfg.precision, cfg.compile)
+    runtime = resolve(cfg.device, cfg.precision, cfg.compile, cfg.quant)
     check_model_spec(cfg.model)
     corpus = load_corpus(cfg.corpus)
     shape = model_config(cfg.model)  # sizes only, no weights
@@ -36,6 +36,9 @@ def load_inputs(cfg: RunConfig):
         if algo.privacy.secure_aggregation and cfg.engine == "inprocess":
             problems.append("privacy.secure_aggregation runs on Flower (engine=flower-sim or a deployment): the "
                             "in-process engine holds every upload in one process, there is nothing to hide them from")
+        if cfg.quant != "none" and (algo.needs_server_data or algo.device_spec(0) is not None):
+            problems.append(f"quant={cfg.quant} with {spec}: its devices' models, student and global MoE are built "
+                            "from full-precision copies of the base (not quantised yet); use quant=none")
         if algo.needs_server_data and not cfg.data.public_frac:
             problems.append(f"{spec} needs the server's own public and test data: set data.public_frac (e.g. 0.1)")
         problems += [f"{p} (model {cfg.model})" for p in algo.check_model(shape) if f"{p} (model" not in problems]
@@ -107,7 +110,7 @@ def run_spec(cfg, spec: str, seed: int, out: Path, model, users, console, server
         try:
             res = run_method(algo, model, users, out, seed=seed, resume=True, offload=mcfg.offload,
                              progress=progress, keep_checkpoints=mcfg.keep_checkpoints,
-                             runtime=resolve(cfg.device, cfg.precision, cfg.compile), server_data=server_data)
+                             runtime=resolve(cfg.device, cfg.precision, cfg.compile, cfg.quant), server_data=server_data)
         finally:
             listen(None)
         bar.update(task, completed=bar.tasks[0].total)

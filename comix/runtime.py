@@ -29,6 +29,7 @@ class Runtime:
     device: torch.device = torch.device("cpu")
     precision: str = "fp32"
     compile: bool = False
+    quant: str = "none"  # the frozen base's linears: none | int8 | nf4 (models/quant.py)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -45,11 +46,13 @@ class Runtime:
         return torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
 
     def prepare_base(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Move the frozen base model to the device, in the compute dtype."""
-        return model.to(device=self.device, dtype=self.dtype)
+        """Move the frozen base model to the device, in the compute dtype, its block linears
+        quantised when ``quant`` says so."""
+        from .models.quant import quantize_base
+        return quantize_base(model.to(device=self.device, dtype=self.dtype), self.quant, self.dtype, self.device)
 
 
-def resolve(device: str = "auto", precision: str = "fp32", compile: bool | None = None) -> Runtime:
+def resolve(device: str = "auto", precision: str = "fp32", compile: bool | None = None, quant: str = "none") -> Runtime:
     """A Runtime from the config's strings, with a one-line error naming the bad value."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
@@ -68,7 +71,11 @@ def resolve(device: str = "auto", precision: str = "fp32", compile: bool | None 
             raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) here")
     if precision == "fp16" and dev.type != "cuda":
         raise ValueError("precision fp16 needs a CUDA device (on the CPU use bf16 or fp32)")
-    return Runtime(dev, precision, dev.type == "cuda" if compile is None else bool(compile))
+    from .models.quant import check_quant
+    problem = check_quant(quant)
+    if problem:
+        raise ValueError(problem)
+    return Runtime(dev, precision, dev.type == "cuda" if compile is None else bool(compile), quant)
 
 
 def to_cpu(obj):

@@ -112,7 +112,7 @@ def server_context(cfg: RunConfig, out: Path, seed: int):
     from .algorithms.base import ServerContext
     from .runtime import resolve
 
-    runtime = resolve(cfg.device, cfg.precision, cfg.compile)
+    runtime = resolve(cfg.device, cfg.precision, cfg.compile, cfg.quant)
     if not cfg.data.public_frac:  # no model or data, but the run's seed (FedAMoLE's pool draws from it)
         return ServerContext(None, None, runtime, out, seed)
     from .data import load_corpus

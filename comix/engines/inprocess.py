@@ -22,6 +22,7 @@ from ..algorithms.base import ServerContext, Tensors
 from ..data import UserData
 from ..models import inject_adapters
 from ..models.mixture import set_compiled
+from ..models.quant import shared_objects
 from ..runtime import Runtime
 from ..progress import step as phase_step
 from ..files import atomic_write
@@ -46,7 +47,7 @@ class ClientModels:
         key = repr(cfg)
         if key not in self.models:
             # the copy reuses the base's frozen tensors themselves (memo): no second copy in memory
-            shared = {id(t): t for t in (*self.base.parameters(), *self.base.buffers())}
+            shared = {id(t): t for t in (*self.base.parameters(), *self.base.buffers(), *shared_objects(self.base))}
             model = copy.deepcopy(self.base, memo=shared)
             self.models[key] = set_compiled(inject_adapters(model, cfg), self.runtime.compile).to(self.runtime.device)
         return self.models[key]

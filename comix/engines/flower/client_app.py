@@ -51,9 +51,9 @@ def _recipe_users(model: str, corpus: str, data_yaml: str) -> list:
 
 
 @functools.lru_cache(maxsize=2)
-def _base(model: str, dropout: float, device: str, precision: str):
+def _base(model: str, dropout: float, device: str, precision: str, quant: str = "none"):
     """The frozen base model, loaded once per process and device (shared by every client model)."""
-    return resolve(device, precision).prepare_base(load_base_model(model, dropout=dropout)[0])
+    return resolve(device, precision, quant=quant).prepare_base(load_base_model(model, dropout=dropout)[0])
 
 
 def node_user(cfg, node: dict, client: int):
@@ -89,8 +89,8 @@ def device_for(run: dict, context: Context, read: int, write: int) -> Device:
     if REGISTRY[name][0].pooled or not algo.trains:
         raise ValueError(f"method {name} does not run on devices")
     # each SuperNode computes on its own device: node config `device` (e.g. cuda:1) or the recipe's
-    runtime = resolve(str(node.get("device", cfg.device)), cfg.precision, cfg.compile)
-    base = _base(cfg.model, cfg.dropout, str(node.get("device", cfg.device)), cfg.precision)
+    runtime = resolve(str(node.get("device", cfg.device)), cfg.precision, cfg.compile, cfg.quant)
+    base = _base(cfg.model, cfg.dropout, str(node.get("device", cfg.device)), cfg.precision, cfg.quant)
     key = hashlib.sha1(f"{run['config']}|{run['method']}|{run['seed']}".encode()).hexdigest()[:12]
     state_dir = node.get("state-dir") or run.get("state_dir") or "comix-device-state"
     store = RoundStore(Path(str(state_dir)) / key, read, write)

@@ -1,0 +1,123 @@
+"""A quantised frozen base, QLoRA's idea (Dettmers et al. 2023): every ``nn.Linear`` of the
+transformer blocks becomes a bitsandbytes layer, the adapters around it stay as they are.
+
+  * ``nf4``: ``bnb.nn.Linear4bit``, 4-bit NormalFloat with double quantisation of the block
+    scales (QLoRA Sec. 3: NF4 + double quantisation, blocks of 64), computing in the run's
+    dtype (``compute_dtype``);
+  * ``int8``: ``bnb.nn.Linear8bitLt`` without fp16 master weights (LLM.int8(), Dettmers et al.
+    2022), outlier threshold 6.0 (the bitsandbytes / transformers default).
+Embeddings, norms and the LM head stay in the compute dtype (transformers' BitsAndBytesConfig
+skips ``lm_head`` too). Every LoRA, mixture and AMoLE wrapper calls its base linear as a module,
+so adapters, routers and uploads keep their own (fp32 master) precision. GPT-2's ``Conv1D``
+layers have no bitsandbytes form and stay unquantised.
+
+Why bitsandbytes: the field's library for QLoRA (PEFT's and FlowerTune's templates), with a
+CPU backend since 0.46 (measured here: NF4 and int8 forward and backward on this machine's CPU,
+tests/test_quant.py) and its CUDA kernels on a GPU, one code path for both. torchao's NF4 also
+runs on this CPU but needs its own linear function and warns at import through PEFT.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+QUANTS = ("none", "int8", "nf4")
+
+
+def check_quant(quant: str) -> str | None:
+    """Why ``quant`` cannot run here (one line), or None."""
+    if quant not in QUANTS:
+        return f"quant must be one of {', '.join(QUANTS)}, got {quant!r}"
+    if quant != "none":
+        try:
+            _bitsandbytes()
+        except ImportError:
+            return f"quant={quant} needs bitsandbytes: pip install 'comix[quant]'"
+    return None
+
+
+def _bitsandbytes():
+    # its CPU backend tries to fetch a faster 4-bit kernel from the Hugging Face hub (the `kernels`
+    # package) and warns when it cannot; comix runs offline and uses the built-in kernel
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    import bitsandbytes
+    return bitsandbytes
+
+
+def quantize_linear(linear: nn.Linear, quant: str, compute_dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """``linear`` as a frozen bitsandbytes layer on ``device``."""
+    bnb = _bitsandbytes()
+    bias = linear.bias is not None
+    w = linear.weight.data.to("cpu", torch.float32)
+    if quant == "nf4":
+        q = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=bias, compute_dtype=compute_dtype,
+                              compress_statistics=True, quant_type="nf4")
+        q.weight = bnb.nn.Params4bit(w, requires_grad=False, compress_statistics=True, quant_type="nf4")
+        # bitsandbytes' CPU inference path (AVX512-BF16 CPUs, no grad) repacks the weight with bf16
+        # block scales in place: scoring would then compute with other numbers than training, and
+        # it needs in_features >= 64; one numeric path for both
+        q.support_avx512bf16_for_cpu = False
+    else:
+        q = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=bias, has_fp16_weights=False,
+                                threshold=6.0)
+        q.weight = bnb.nn.Int8Params(w, requires_grad=False, has_fp16_weights=False)
+    if bias:
+        q.bias = nn.Parameter(linear.bias.data.to(compute_dtype), requires_grad=False)
+    q = q.to(device)  # bitsandbytes quantises as the weight moves to a device
+    if quant == "int8":  # the int8 weight and its scales move into the layer's state now, once
+        q.init_8bit_state()  # (lazily, the first copy to run would take them from the shared weight)
+    return q
+
+
+def quantize_base(model: nn.Module, quant: str, compute_dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """``model`` with each linear of its blocks replaced by its ``quant`` form, on ``device``."""
+    if quant == "none":
+        return model
+    from .inject import transformer_blocks
+    for block in transformer_blocks(model):
+        for parent in list(block.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is nn.Linear:
+                    setattr(parent, name, quantize_linear(child, quant, compute_dtype, device))
+    return model
+
+
+def shared_objects(model: nn.Module) -> list:
+    """What a copy of the quantised base must share with it, not duplicate (copy.deepcopy's memo):
+    bitsandbytes' int8 layer states, which hold the int8 weight and its scales."""
+    return [m.state for m in model.modules() if type(m).__name__ == "Linear8bitLt"]
+
+
+def dequantized_weight(layer: nn.Module) -> torch.Tensor:
+    """The (out, in) float weight a quantised layer computes with (bitsandbytes' own dequantisation)."""
+    bnb = _bitsandbytes()
+    w = layer.weight
+    if isinstance(w, bnb.nn.Params4bit):
+        return bnb.functional.dequantize_4bit(w.data, w.quant_state).float()
+    return (w.data.float() * layer.state.SCB.float()[:, None] / 127.0) if layer.state.SCB is not None else w.data.float()
+
+
+def base_bytes(model: nn.Module) -> int:
+    """Bytes of the frozen base's tensors (quantised weights at their storage size, with their
+    quantisation statistics), adapters excluded."""
+    from .inject import param_role
+    total = 0
+    for n, p in model.named_parameters():
+        if param_role(n) == "base":
+            total += p.numel() * p.element_size()
+            state = getattr(p, "quant_state", None)
+            if state is not None:
+                total += sum(t.numel() * t.element_size() for t in _state_tensors(state))
+    for m in model.modules():
+        scb = getattr(getattr(m, "state", None), "SCB", None)
+        if isinstance(scb, torch.Tensor):
+            total += scb.numel() * scb.element_size()
+    return total + sum(b.numel() * b.element_size() for b in model.buffers())
+
+
+def _state_tensors(state) -> list[torch.Tensor]:
+    out = [t for t in (state.absmax, getattr(state, "code", None)) if isinstance(t, torch.Tensor)]
+    nested = getattr(state, "state2", None)
+    return out + (_state_tensors(nested) if nested is not None else [])
