@@ -53,6 +53,18 @@ def results_table(results: list[dict], users: list[str]) -> str:
     return user_table(cells, [*users, "mean", *(["epsilon"] if private else [])])
 
 
+def devices_table(results: list[dict]) -> str:
+    """What each method's devices spent over the run (results.json ``devices``), one row a method."""
+    rows = ["| method | MB up | MB down | tokens | train s | max memory MB |", "|---|---:|---:|---:|---:|---:|"]
+    for r in results:
+        d = r.get("devices")
+        if d:
+            mem = "-" if d["memory_mb_max"] is None else f"{d['memory_mb_max']:.1f}"
+            rows.append(f"| {r['method']} | {d['bytes_up'] / 2**20:.2f} | {d['bytes_down'] / 2**20:.2f} | "
+                        f"{d['tokens']:,} | {d['train_s']:.1f} | {mem} |")
+    return "\n".join(rows) if len(rows) > 2 else ""
+
+
 def results_summary(results: list[dict]) -> str:
     """What the console shows for many users: per method the mean, min and max over users."""
     from .comparison import metric_of
@@ -235,11 +247,16 @@ def run(config=None, *overrides: str, resume=None, quiet: bool = False, on_run_d
                for spec in cfg.methods]
     names = scored_names(results, users)
     md = results_table(results, names)
+    spent = devices_table(results)
     atomic_write(run_dir / "results.md", lambda p: Path(p).write_text(
-        f"{metric_title(results)} per user ({cfg.model}, {cfg.corpus}, seed {cfg.seed})\n\n{md}\n"))
+        f"{metric_title(results)} per user ({cfg.model}, {cfg.corpus}, seed {cfg.seed})\n\n{md}\n"
+        + (f"\nWhat the devices spent (totals over devices and rounds; memory: the largest device round, "
+           f"base + trainable state + activations)\n\n{spent}\n" if spent else "")))
     atomic_write(run_dir / "results.json", lambda p: Path(p).write_text(json.dumps(results, indent=2)))
     if not quiet:
         print(md if len(names) <= MANY_USERS else results_summary(results) + f"\n(per user: {run_dir}/results.md)")
+        if spent:
+            print(spent)
     console.print(f"results: {run_dir}/results.md (per method: metrics.jsonl, results.json, privacy.md"
                   f"{', adapters/' if not cfg.keep_checkpoints else ', checkpoint.pt'})")
     _report(run_dir, console)

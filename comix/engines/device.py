@@ -27,6 +27,7 @@ from ..eval.tasks import split_accuracy, split_response_nll, split_rouge_l
 from ..models import mixtures, routing_stats, set_record_stats
 from ..models.amole import AMoLELinear
 from ..models.lease import LeaseLinear
+from ..models.quant import base_bytes
 from ..models.lora import LoRALinear, LoRAWeights
 from ..files import atomic_write
 from ..privacy import clip_upload
@@ -179,6 +180,49 @@ def evaluate(model: nn.Module, user: UserData, train, runtime: Runtime = Runtime
     return out
 
 
+class Footprint:
+    """What one client's round spends, measured on the device (both engines run ``Device.train``):
+    ``tokens`` fed to its training forwards (padding included) and ``peak``, the bytes of the
+    tensors its first training forward keeps for the backward pass (torch's saved-tensor hooks,
+    each storage once, parameters and the frozen base's tensors excluded): the activations a step
+    holds at its peak, which grow with the batch. One forward is measured per round: every step
+    of a round has the same shapes."""
+
+    def __init__(self, model: nn.Module):
+        self.model, self.tokens, self.peak, self.measuring = model, 0, 0, True
+        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.seen, self.total, self.handle, self.hooks = set(), 0, None, None
+
+    def forward(self, module, args, kwargs):
+        if not module.training:
+            return
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if isinstance(ids, torch.Tensor):
+            self.tokens += ids.numel()
+        if self.total:  # a second training forward: the first one's count is the step's
+            self.measuring = False
+
+    def pack(self, t: torch.Tensor):
+        if self.measuring and self.model.training:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in self.params and ptr not in self.seen:
+                self.seen.add(ptr)
+                self.total += t.untyped_storage().nbytes()
+                self.peak = max(self.peak, self.total)
+        return t
+
+    def __enter__(self):
+        self.handle = self.model.register_forward_pre_hook(self.forward, with_kwargs=True)
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+        self.handle.remove()
+        self.seen.clear()
+
+
 class Device:
     def __init__(self, algorithm: Algorithm, model: nn.Module, data: UserData | list[UserData], client: int,
                  seed: int, store: StateStore, runtime: Runtime = Runtime()):
@@ -200,7 +244,10 @@ class Device:
         """One round of local training; the metrics add what FedAMoLE's Table IV reports per client:
         ``train_s`` (wall time of the round on this device), ``trainable_mb`` (what training holds
         beyond the frozen base: the trainable parameters, their gradients and AdamW's two moments,
-        all fp32) and, on CUDA, ``peak_mem_mb`` (torch's peak allocation during the round)."""
+        all fp32) and, on CUDA, ``peak_mem_mb`` (torch's peak allocation during the round); and what
+        the device spent (``Footprint``): ``tokens`` of its training forwards, ``base_mb`` (the
+        frozen base at its storage precision: quantised or not), ``activation_mb`` and
+        ``memory_mb`` = base + trainable + activations, its training memory."""
         cuda = self.runtime.device.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.runtime.device)
@@ -209,7 +256,8 @@ class Device:
         # dropout draws from torch's global generator: seeded from (run seed, client, step) for the
         # round, so a client's masks do not depend on which clients ran before it in this process,
         # and every engine (in process, one Flower process per device) draws the same ones
-        with torch.random.fork_rng(devices=[self.runtime.device] if cuda else []), self.runtime.autocast():
+        with torch.random.fork_rng(devices=[self.runtime.device] if cuda else []), self.runtime.autocast(), \
+                Footprint(self.model) as footprint:
             torch.manual_seed((self.seed * 1_000_003 + self.client) * 1_000_003 + state.step)
             state, upload, metrics = self.algorithm.client_round(self.context(), state, payload)
         # DP-FedAvg's clip, here on the device: nothing unclipped leaves it. The norm of the update
@@ -220,6 +268,9 @@ class Device:
         metrics["train_s"] = round(time.perf_counter() - t0, 4)
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         metrics["trainable_mb"] = round(trainable * 4 * 4 / 2**20, 3)
+        base_mb = base_bytes(self.model) / 2**20
+        metrics.update(tokens=footprint.tokens, base_mb=round(base_mb, 3), activation_mb=round(footprint.peak / 2**20, 3),
+                       memory_mb=round(base_mb + metrics["trainable_mb"] + footprint.peak / 2**20, 3))
         if cuda:
             metrics["peak_mem_mb"] = round(torch.cuda.max_memory_allocated(self.runtime.device) / 2**20, 1)
         self.store[self.client] = state

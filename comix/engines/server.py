@@ -253,7 +253,21 @@ def serve(algorithm: Algorithm, transport: Transport, users: list[str], out_dir:
     server_scored = [r["user"] for r in last if r.get("evaluated_by") == "server"]
     eps = epsilon_after(algorithm.privacy, train.rounds, n_clients, train)
     private = {"privacy": asdict(algorithm.privacy), "epsilon": eps} if algorithm.privacy.active else {}
-    return finish_run(out_dir, algorithm, server_scored or users, per_user, total_up, train.rounds, private)
+    spent = device_totals([json.loads(ln) for ln in metrics_path.read_text().splitlines()])
+    return finish_run(out_dir, algorithm, server_scored or users, per_user, total_up, train.rounds,
+                      {**private, "devices": spent})
+
+
+def device_totals(rows: list[dict]) -> dict:
+    """What the devices spent over the run (metrics.jsonl's rows of sampled devices): bytes up and
+    down, tokens and training seconds summed over devices and rounds, and the largest training
+    memory any device needed in a round (engines/device.py Footprint)."""
+    trained = [r for r in rows if r.get("sampled")]
+    out = {k: sum(r.get(k, 0) for r in trained) for k in ("bytes_up", "bytes_down", "tokens", "train_s")}
+    out["train_s"] = round(out["train_s"], 3)
+    out["memory_mb_max"] = max((r["memory_mb"] for r in trained if "memory_mb" in r), default=None)
+    out["device_rounds"] = len(trained)
+    return out
 
 
 # wall-clock and memory measurements in metrics.jsonl / server.jsonl: they differ between two runs

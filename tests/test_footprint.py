@@ -1,0 +1,50 @@
+"""What each device spends per round (engines/device.py Footprint): tokens, the frozen base's
+bytes at its precision, the activations a training step keeps, and the training memory."""
+import json
+
+import pytest
+
+from comix.cli import main
+
+COMMON = ["model=tiny-llama", "train.rounds=1", "train.local_steps=3", "train.seq_len=32", "data.valid_tokens=512",
+          "data.test_tokens=512"]
+
+
+def _first(run, method):
+    return json.loads((run / method / "metrics.jsonl").read_text().splitlines()[0])
+
+
+def test_tokens_memory_and_time_per_round_are_present_and_grow_with_the_batch(tmp_path):
+    rows = {}
+    for batch in (2, 4):
+        assert main(["run", *COMMON, "methods=[fedavg]", f"train.batch_size={batch}",
+                     f"run_dir={tmp_path / str(batch)}"]) == 0
+        rows[batch] = _first(tmp_path / str(batch), "fedavg")
+    for batch, r in rows.items():
+        assert r["tokens"] == 3 * batch * 32  # local steps x batch x sequence
+        assert r["memory_mb"] == pytest.approx(r["base_mb"] + r["trainable_mb"] + r["activation_mb"], abs=2e-3)
+        assert r["train_s"] > 0 and r["base_mb"] > 0
+    assert rows[4]["activation_mb"] == pytest.approx(2 * rows[2]["activation_mb"], rel=0.15)  # linear in the batch
+    assert rows[4]["base_mb"] == rows[2]["base_mb"] and rows[4]["trainable_mb"] == rows[2]["trainable_mb"]
+
+
+def test_a_quantised_base_is_counted_at_its_storage_size(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    base = {}
+    for quant in ("none", "nf4"):
+        assert main(["run", *COMMON, "methods=[comigs-1g1s]", "train.batch_size=2", f"quant={quant}",
+                     f"run_dir={tmp_path / quant}"]) == 0
+        base[quant] = _first(tmp_path / quant, "comigs-1g1s")["base_mb"]
+    assert base["nf4"] < 0.7 * base["none"]  # tiny-llama: embeddings (not quantised) are most of it
+
+
+def test_results_sum_what_the_devices_spent(tmp_path):
+    assert main(["run", *COMMON, "methods=[fedavg]", "train.batch_size=2", "train.rounds=2",
+                 f"run_dir={tmp_path}"]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "fedavg" / "metrics.jsonl").read_text().splitlines()]
+    spent = json.loads((tmp_path / "fedavg" / "results.json").read_text())["devices"]
+    assert spent["bytes_up"] == sum(r["bytes_up"] for r in rows) > 0 and spent["device_rounds"] == len(rows) == 8
+    assert spent["tokens"] == sum(r["tokens"] for r in rows) == 8 * 3 * 2 * 32
+    assert spent["memory_mb_max"] == max(r["memory_mb"] for r in rows)
+    md = (tmp_path / "results.md").read_text()
+    assert "What the devices spent" in md and f"| fedavg | {spent['bytes_up'] / 2**20:.2f} |" in md
