@@ -68,6 +68,7 @@ class RunConfig:
     device: str = "auto"               # auto (CUDA when present) | cpu | cuda | cuda:N
     precision: str = "fp32"            # fp32 | bf16 | fp16 (comix/runtime.py: fp32 adapter masters)
     quant: str = "none"                # the frozen base's block linears: none | int8 | nf4 (QLoRA; models/quant.py)
+    fleet: str = ""                    # a fleet file: device budgets, throughput, availability, deadline (comix/fleet.py)
     compile: bool | None = None        # torch.compile the mixtures' slot work; None (= auto): on CUDA only
     gpus_per_client: float = 0.0       # Flower simulation: GPU share of each virtual device (num_gpus)
     offload: bool = False              # keep idle clients' states on disk
@@ -131,6 +132,12 @@ class RunConfig:
             check_tensorboard()
         if not t.eval_splits or any(s not in ("valid", "test") for s in t.eval_splits):
             raise ConfigError(f"train.eval_splits must list valid and/or test, got {t.eval_splits}")
+        if self.fleet:
+            from .fleet import load_fleet
+            try:
+                load_fleet(self.fleet)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         from .models.quant import check_quant
         if check_quant(self.quant):
             raise ConfigError(check_quant(self.quant))

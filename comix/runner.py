@@ -52,8 +52,31 @@ def load_inputs(cfg: RunConfig):
                          f"({context} tokens)")
     users = make_user_data(corpus, tok, cfg.data)
     check_seq_len(users, cfg.train.seq_len)
+    if cfg.fleet:
+        check_fleet_memory(cfg, model, users)
     server_data = make_server_data(corpus, tok, cfg.data, public)  # None unless data.public_frac
     return runtime.prepare_base(model), tok, users, token_table(users), server_data
+
+
+def check_fleet_memory(cfg, model, users) -> None:
+    """Every device of the fleet fits each method's training at the run's base precision, or the
+    run stops here in one line naming the device and the precision that would fit (fleet.plan):
+    what one client needs is read from one measured training step of client 0's model."""
+    from .engines.device import training_memory
+    from .fleet import load_fleet, plan
+    fleet = load_fleet(cfg.fleet)
+    for spec in cfg.methods:
+        algo = build_algorithm(cfg, spec, len(users))
+        if not algo.trains or algo.device_spec(0) is not None:
+            continue
+        need = training_memory(model, algo, users[0])
+        run_quant, fits = plan(fleet, need, spec)
+        order = ["none", "int8", "nf4"]
+        if order.index(cfg.quant) < order.index(run_quant):
+            tight = next(n for n, q in fits.items() if q == run_quant)
+            raise ValueError(f"fleet: device {tight!r} cannot train {spec} with quant={cfg.quant} "
+                             f"({need[cfg.quant]:.0f} MB); quant={run_quant} fits every device "
+                             f"({need[run_quant]:.0f} MB)")
 
 
 def run_spec(cfg, spec: str, seed: int, out: Path, model, users, console, server_data=None) -> dict:

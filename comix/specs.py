@@ -70,6 +70,8 @@ def build_algorithm(cfg: RunConfig, spec: str, n_users: int):
     algo = make_algorithm(name, mcfg.lora, mcfg.train, n_clients, **mcfg.options(name))
     algo.name = spec
     algo.privacy = resolve_privacy(mcfg.privacy, n_clients, mcfg.train)  # the noise calibrated to a target
+    from .fleet import load_fleet
+    algo.fleet = load_fleet(cfg.fleet)  # devices' availability and the round's deadline (comix/fleet.py)
     return algo
 
 

@@ -90,6 +90,7 @@ class Algorithm:
         self.lora, self.train, self.n_clients = lora, train, n_clients
         self.server: ServerContext | None = None  # set by the engine before the run
         self.privacy = PrivacyConfig()            # set by specs.build_algorithm from the config
+        self.fleet = None                         # the devices as they are (comix/fleet.py), likewise
         self.aggregation_noise = None             # set by the server loop each round when DP adds noise
 
     # -- which model a client trains -------------------------------------------------------------

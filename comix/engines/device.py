@@ -223,6 +223,32 @@ class Footprint:
         self.seen.clear()
 
 
+def training_memory(base: nn.Module, algorithm: Algorithm, user: UserData) -> dict[str, float]:
+    """MB one client of ``algorithm`` needs to train, with the base at each precision: the base's
+    bytes (its block linears at 4 bytes, 1 byte + a scale per row, or half a byte + a scale per
+    block of 64: bitsandbytes' int8 and NF4 storage), the trainable state (parameters, gradients,
+    AdamW's moments, fp32) and the activations of one measured training step."""
+    import copy
+
+    from ..models import inject_adapters
+    from ..models.inject import transformer_blocks
+    model = inject_adapters(copy.deepcopy(base), algorithm.adapter_config(0)).train()
+    fresh_adapters(model, 0)
+    gen = torch.Generator().manual_seed(0)
+    x, y = algorithm.train_batch(ClientContext(0, model, user, algorithm.train), gen)
+    with Footprint(model) as footprint:
+        from ..algorithms.training import lm_loss
+        lm_loss(model, x, y).backward()
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) * 16
+    linears = [m for b in transformer_blocks(base) for m in b.modules() if type(m) is nn.Linear]
+    weights = sum(m.weight.numel() for m in linears)
+    rows = sum(m.out_features for m in linears)
+    total = base_bytes(base)
+    rest = total - weights * linears[0].weight.element_size()  # embeddings, norms, head: as they are
+    stored = {"none": weights * 4, "int8": weights + rows * 4, "nf4": weights / 2 + weights / 64}
+    return {q: (rest + b + trainable + footprint.peak) / 2**20 for q, b in stored.items()}
+
+
 class Device:
     def __init__(self, algorithm: Algorithm, model: nn.Module, data: UserData | list[UserData], client: int,
                  seed: int, store: StateStore, runtime: Runtime = Runtime()):

@@ -165,6 +165,12 @@ def serve(algorithm: Algorithm, transport: Transport, users: list[str], out_dir:
         t0 = time.time()
         sampled = sample_clients(n_clients, train, seed, rnd + 1)
         client_metrics = {c: {"sampled": False, "bytes_up": 0, "bytes_down": 0} for c in range(n_clients)}
+        fleet = algorithm.fleet
+        if fleet:  # a device that is not there this round is not asked (comix/fleet.py)
+            away = [c for c in sampled if not fleet.available(c, n_clients, rnd + 1, seed)]
+            for c in away:
+                client_metrics[c]["dropped"] = "unavailable"
+            sampled = [c for c in sampled if c not in away]
         if algorithm.privacy.secure_aggregation and any(reference[c] for c in sampled):
             server_state, payloads, server_row = secure_round(algorithm, transport, server_state, payloads, sampled,
                                                               reference, client_metrics, rnd, seed, seen)
@@ -182,10 +188,15 @@ def serve(algorithm: Algorithm, transport: Transport, users: list[str], out_dir:
                 log.warning("round %d: client %d left out of the aggregate: %s", rnd + 1, c, reason)
                 client_metrics[c] = {"sampled": True, "failed": reason, "bytes_up": 0, "bytes_down": down}
                 continue
-            uploads[c] = reply[0]
             client_metrics[c] = {"sampled": True, **reply[1], "bytes_up": tensor_bytes(reply[0]), "bytes_down": down}
+            if fleet:
+                client_metrics[c]["device_s"] = round(fleet.seconds(c, n_clients, reply[1].get("tokens", 0)), 3)
+                if fleet.late(c, n_clients, reply[1].get("tokens", 0)):  # trained, but the server did not wait
+                    client_metrics[c].update(dropped="deadline", bytes_up=0)
+                    continue
+            uploads[c] = reply[0]
         if replies is not None:
-            if not uploads and sampled:
+            if not uploads and sampled and not any("dropped" in m for m in client_metrics.values()):
                 raise RuntimeError(f"round {rnd + 1}: no client replied with a valid upload")
             t_agg = time.time()
             if uploads:  # (Poisson sampling may draw nobody: the round leaves every payload as it was)
@@ -196,6 +207,9 @@ def serve(algorithm: Algorithm, transport: Transport, users: list[str], out_dir:
             # assignment and RSEA time, which the paper counts inside aggregation)
             server_row = {"round": rnd + 1, "train_s": round(t_train - t0, 4),
                           "aggregate_s": round(time.time() - t_agg, 4), **upload_record(uploads, seen)}
+        dropped = {str(c): m["dropped"] for c, m in client_metrics.items() if "dropped" in m}
+        if dropped:  # the fleet's absent and late devices (comix/fleet.py)
+            server_row["dropped"] = dropped
         if math.isfinite(algorithm.privacy.clip):  # the updates the clip shortened (privacy.md)
             server_row["clipped"] = sum(m.get("update_norm", 0) > algorithm.privacy.clip for m in client_metrics.values())
         server_row.update(algorithm.server_report(server_state))

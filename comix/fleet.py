@@ -1,0 +1,107 @@
+"""Devices as they are: a fleet file gives each share of the clients a memory budget, a training
+throughput and an availability; the simulation drops, each round, the devices that are not
+available or would miss the round's deadline, and the server aggregates the replies it has.
+
+    fleet: configs/fleets/mixed.yaml        # or fleet.* keys, e.g. fleet.deadline_s=60
+
+    # configs/fleets/mixed.yaml
+    deadline_s: 60          # a round's deadline in seconds of device time (0: none)
+    profiles:
+      - {name: phone-1gb, share: 0.34, memory_mb: 1024, tokens_per_s: 400, availability: 0.8}
+      - {name: phone-2gb, share: 0.33, memory_mb: 2048, tokens_per_s: 400, availability: 0.9}
+      - {name: board-4gb, share: 0.33, memory_mb: 4096, tokens_per_s: 1600, availability: 1.0}
+
+Clients take the profiles in order of their index, by share (``profile_of``). A device's round
+takes ``tokens / tokens_per_s`` seconds of its time (the tokens its training forwards read,
+measured on the device: engines/device.py Footprint), so the deadline drops the same devices on
+every engine and every machine. Availability is drawn per device and round from a generator
+seeded by (run seed, round, client). Memory: ``plan`` reads the training memory one client of
+the method needs (the frozen base at each precision, the trainable state, one step's
+activations) and picks the least-compressed base precision with which every device fits, or
+refuses the run in one line naming the device nothing fits.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+
+@dataclass
+class DeviceProfile:
+    name: str
+    share: float                 # of the clients, taken in order of their index
+    memory_mb: float             # what training may use on the device
+    tokens_per_s: float          # its training throughput
+    availability: float = 1.0    # probability it can take part in a round
+    source: str = ""             # where the figures come from
+
+    def problem(self) -> str | None:
+        if not 0 < self.share <= 1 or self.memory_mb <= 0 or self.tokens_per_s <= 0 or not 0 < self.availability <= 1:
+            return f"fleet profile {self.name!r}: share and availability in (0, 1], memory_mb and tokens_per_s > 0"
+        return None
+
+
+@dataclass
+class Fleet:
+    profiles: list[DeviceProfile] = field(default_factory=list)
+    deadline_s: float = 0.0
+
+    def profile_of(self, client: int, n_clients: int) -> DeviceProfile:
+        edge, total = (client + 0.5) / n_clients, sum(p.share for p in self.profiles)
+        acc = 0.0
+        for p in self.profiles:
+            acc += p.share / total
+            if edge <= acc:
+                return p
+        return self.profiles[-1]
+
+    def available(self, client: int, n_clients: int, rnd: int, seed: int) -> bool:
+        p = self.profile_of(client, n_clients).availability
+        return p >= 1 or random.Random(f"{seed}:{rnd}:{client}:available").random() < p
+
+    def seconds(self, client: int, n_clients: int, tokens: int) -> float:
+        return tokens / self.profile_of(client, n_clients).tokens_per_s
+
+    def late(self, client: int, n_clients: int, tokens: int) -> bool:
+        return self.deadline_s > 0 and self.seconds(client, n_clients, tokens) > self.deadline_s
+
+
+def load_fleet(path: str | None) -> Fleet | None:
+    """The fleet of a file (None: every device alike, always there, no deadline). One line
+    naming the file and the bad key on bad input."""
+    if not path:
+        return None
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"fleet {path}: no such file")
+    try:
+        raw = yaml.safe_load(file.read_text()) or {}
+        profiles = [DeviceProfile(**p) for p in raw.get("profiles", [])]
+        fleet = Fleet(profiles, float(raw.get("deadline_s", 0.0)))
+    except (TypeError, yaml.YAMLError) as e:
+        raise ValueError(f"fleet {path}: {str(e).splitlines()[0]} (keys: deadline_s, profiles: name, share, "
+                         "memory_mb, tokens_per_s, availability, source)") from None
+    if not profiles:
+        raise ValueError(f"fleet {path}: profiles is empty")
+    for p in profiles:
+        if p.problem():
+            raise ValueError(f"fleet {path}: {p.problem()}")
+    return fleet
+
+
+def plan(fleet: Fleet, need_mb: dict[str, float], method: str) -> tuple[str, dict[str, str]]:
+    """(the run's base precision, {profile: the least-compressed precision that fits it}) from the
+    memory one client of ``method`` needs at each precision (``need_mb``: none / int8 / nf4). The
+    simulation shares one frozen base, so the run takes the most compressed any device needs."""
+    order = [q for q in ("none", "int8", "nf4") if q in need_mb]
+    fits = {}
+    for p in fleet.profiles:
+        ok = [q for q in order if need_mb[q] <= p.memory_mb]
+        if not ok:
+            raise ValueError(f"fleet: nothing fits device {p.name!r} ({p.memory_mb:g} MB) for {method}: it needs "
+                             + ", ".join(f"{need_mb[q]:.0f} MB with quant={q}" for q in order))
+        fits[p.name] = ok[0]
+    return max(fits.values(), key=order.index), fits
