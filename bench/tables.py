@@ -22,6 +22,8 @@ Table kinds (``case.json``'s ``kind``):
              t interval over the seeds, plus each method's assignment churn (share of a client's
              experts new each round) where its server.jsonl lists expert uploads.
   users      a CoMiGS Table 1 style table: per user and mean, one seed or mean over seeds.
+  quant      bench/quant.py: the main job at each base precision (peak RSS, wall time, a device's
+             base and training memory, each method's perplexity against the full-precision base).
 The marker ``<!-- table: methods -->`` is the one table made from code, not results: every method
 as its class declares it (bench/methods_table.py; docs/methods.md).
 """
@@ -122,7 +124,27 @@ def users_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
     return "\n".join(rows)
 
 
-KINDS = {"ablation": ablation_table, "users": users_table}
+def quant_table(meta: dict, runs: dict) -> str:
+    """bench/quant.py's main job at each base precision: the process's peak RSS and wall time, one
+    device's frozen base and training memory (metrics.jsonl), each method's mean test perplexity
+    and its change from the full-precision base."""
+    methods = meta["methods"]
+    rows = ["| base | peak RSS MB | wall s | base MB / device | training MB / device (max) | "
+            + " | ".join(f"{m} ppl (vs none)" for m in methods) + " |", "|---" * (5 + len(methods)) + "|"]
+    means = {}
+    for quant, case in meta["runs"].items():
+        _, sub = load_case(case)
+        results = {m: _result(next(iter(sub[m].values()))) for m in methods}
+        first = _jsonl(next(iter(sub[methods[0]].values())) / "metrics.jsonl")[0]
+        means[quant] = {m: r["mean"] for m, r in results.items()}
+        cells = [f"{means[quant][m]:.2f} ({100 * (means[quant][m] / means['none'][m] - 1):+.1f} %)" for m in methods]
+        memory = max(r["devices"]["memory_mb_max"] for r in results.values())
+        rows.append(f"| {quant} | {meta['measures'][quant]['peak_rss_mb']:.0f} | {meta['measures'][quant]['wall_s']:.0f} | "
+                    f"{first['base_mb']:.0f} | {memory:.0f} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+KINDS = {"ablation": ablation_table, "users": users_table, "quant": quant_table}
 
 
 def table(case: str) -> str:

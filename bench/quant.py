@@ -1,0 +1,72 @@
+"""The main job on a full-precision, an int8 and an NF4 base (``quant=none|int8|nf4``), one process
+each on this machine: wall time, peak RSS, each device's base and training memory, and the
+per-user test perplexity each costs.
+
+    python bench/quant.py [--methods fedavg comigs-1g1s] [-- key=value ...]
+
+Each run is ``python -m comix.cli run quant=<q> methods=[...] run_dir=runs/quant-<q>`` under
+/usr/bin/time -v; runs go none, int8, nf4 after one untimed warm-up of the caches. The runs are
+saved as the cases ``quant-main-job-<q>`` (bench/tables.py --save) and the measurements with them
+in ``quant-main-job/case.json``; ``python bench/tables.py`` makes the README's table from them.
+"""
+from __future__ import annotations
+
+import footprint  # noqa: F401  (prints wall time and peak RSS at exit)
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from tables import RESULTS, save  # noqa: E402
+
+QUANTS = ("none", "int8", "nf4")
+
+
+def run(quant: str, methods: list[str], extra: list[str], out: Path) -> tuple[float, float]:
+    """(seconds, peak RSS MB) of one main job."""
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [sys.executable, "-m", "comix.cli", "run", f"quant={quant}", f"methods=[{','.join(methods)}]",
+           f"run_dir={out}", *extra]
+    t0 = time.perf_counter()
+    proc = subprocess.run(["/usr/bin/time", "-v", *cmd], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if proc.returncode:
+        sys.exit(f"bench/quant.py: quant={quant} failed:\n{proc.stderr[-2000:]}")
+    peak = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr).group(1)) / 1024
+    return time.perf_counter() - t0, peak
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--methods", nargs="+", default=["fedavg", "comigs-1g1s"])
+    ap.add_argument("extra", nargs="*", help="key=value overrides for every run")
+    args = ap.parse_args(argv)
+    runs = ROOT / "runs"
+    run("none", args.methods, [*args.extra, "train.rounds=1"], runs / "quant-warmup")  # caches, untimed
+    measures = {}
+    for quant in QUANTS:
+        seconds, peak = run(quant, args.methods, args.extra, runs / f"quant-{quant}")
+        measures[quant] = {"wall_s": round(seconds, 1), "peak_rss_mb": round(peak, 1)}
+        save(runs / f"quant-{quant}", f"quant-main-job-{quant}", {"kind": "users", "part_of": "quant-main-job"})
+        print(f"quant={quant}: {seconds:.0f} s, peak RSS {peak:.0f} MB")
+    case = {"kind": "quant", "command": "python bench/quant.py " + " ".join(args.extra),
+            "methods": args.methods, "machine": f"{os.cpu_count()}-core {platform.machine()} CPU, alone",
+            "date": datetime.date.today().isoformat(), "runs": {q: f"quant-main-job-{q}" for q in QUANTS},
+            "measures": measures}
+    (RESULTS / "quant-main-job").mkdir(parents=True, exist_ok=True)
+    (RESULTS / "quant-main-job" / "case.json").write_text(json.dumps(case, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
