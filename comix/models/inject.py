@@ -106,19 +106,16 @@ def inject_adapters(model: nn.Module, cfg: AdapterConfig, n_experts: int | None 
         p.requires_grad_(False)
     d_model = model.config.hidden_size
     n = n_experts or cfg.n_experts
+    # the attention layers of a method's own kind (FedAMoLE's AMoLE, FedLEASE's experts), by config section
+    own = [(section, layer, sub) for section, layer, sub in (("fedamole", AMoLELinear, cfg.amole),
+                                                             ("fedlease", LeaseLinear, cfg.lease)) if sub is not None]
     for block in transformer_blocks(model):
-        if cfg.amole is not None:
+        for section, layer, sub in own:
             attn = _attention(block)
-            for name in cfg.amole.targets:
+            for name in sub.targets:
                 if not hasattr(attn, name):
-                    raise ValueError(f"fedamole.targets: {type(attn).__name__} has no {name!r}")
-                setattr(attn, name, AMoLELinear(getattr(attn, name), cfg.amole))
-        if cfg.lease is not None:
-            attn = _attention(block)
-            for name in cfg.lease.targets:
-                if not hasattr(attn, name):
-                    raise ValueError(f"fedlease.targets: {type(attn).__name__} has no {name!r}")
-                setattr(attn, name, LeaseLinear(getattr(attn, name), cfg.lease))
+                    raise ValueError(f"{section}.targets: {type(attn).__name__} has no {name!r}")
+                setattr(attn, name, layer(getattr(attn, name), sub))
         if cfg.attention:
             attn = _attention(block)
             for name in cfg.attention_targets or ATTENTION_TARGETS:
