@@ -48,3 +48,13 @@ def test_results_sum_what_the_devices_spent(tmp_path):
     assert spent["memory_mb_max"] == max(r["memory_mb"] for r in rows)
     md = (tmp_path / "results.md").read_text()
     assert "What the devices spent" in md and f"| fedavg | {spent['bytes_up'] / 2**20:.2f} |" in md
+
+
+def test_the_report_shows_what_each_device_spent(tmp_path):
+    from comix.reporting import build_page
+    assert main(["run", *COMMON, "methods=[fedavg,comigs-1g1s]", "train.batch_size=2", f"run_dir={tmp_path}"]) == 0
+    page = build_page(tmp_path, routing=False)
+    text, images = page.markdown("files")
+    section = text[text.index("## What each device spent"):]
+    assert "| fedavg | de |" in section and "| comigs-1g1s | nl |" in section and "devices.png" in images
+    assert not page.overlaps

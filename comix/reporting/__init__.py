@@ -7,7 +7,8 @@ method gets every section its records allow:
                             epsilon and utility against epsilon when DP was on (sections.py)
   metrics.jsonl ........... learning curves (task metric per evaluated round, per method and user; a
                             bar chart when only one round was evaluated), training loss per round;
-                            communication and compute (bytes up / down, update norm, time per round)
+                            communication and compute (bytes up / down, update norm, time per round);
+                            what each device spent: its training memory, uploads, tokens, drops (devices.py)
   metrics.jsonl "gates" ... expert scores over training (CoMiGS Fig. 4 / 10: mean gate per expert
                             and layer, per user, by round)
   adapters + a mixture .... token routing colour maps (CoMiGS Fig. 3, 14-19): test texts of each
@@ -28,6 +29,7 @@ from pathlib import Path
 from .page import Page, md_to_html, overlapping_tick_labels
 from .records import ReportError, find_runs, scoring_rule
 from .routing import routing_section, token_pieces
+from .devices import devices_section
 from .sections import curves_section, gates_section, privacy_section, results_section, traffic_section
 from .server import server_section
 
@@ -44,6 +46,7 @@ def build_page(path: Path, routing: bool = True) -> Page:
         routing_section(page, runs)
     server_section(page, runs)
     traffic_section(page, runs)
+    devices_section(page, runs)
     privacy_section(page, runs)
     return page
 

@@ -1,0 +1,47 @@
+"""The report's section on what each device spent (engines/device.py Footprint): per method and
+device, its largest training memory and what it uploaded, the devices a fleet dropped."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .page import COLORS, Page, plt_
+from .records import jsonl
+
+
+def devices_section(page: Page, runs: dict[str, dict[int, Path]]) -> None:
+    per = {}  # spec -> {user: (max memory MB, MB up, tokens, dropped rounds)}
+    for spec, by in runs.items():
+        rows = [r for r in jsonl(by[min(by)] / "metrics.jsonl") if "memory_mb" in r or r.get("dropped")]
+        users = list(dict.fromkeys(r["user"] for r in rows))
+        if any("memory_mb" in r for r in rows):
+            per[spec] = {u: (max((r["memory_mb"] for r in rows if r["user"] == u and "memory_mb" in r), default=0.0),
+                             sum(r.get("bytes_up", 0) for r in rows if r["user"] == u) / 2**20,
+                             sum(r.get("tokens", 0) for r in rows if r["user"] == u),
+                             sum(1 for r in rows if r["user"] == u and r.get("dropped"))) for u in users}
+    if not per:
+        return
+    lines = ["| method | device | training memory MB (max) | MB up (sum) | tokens (sum) | rounds dropped |",
+             "|---|---|---|---|---|---|"]
+    for spec, by_user in per.items():
+        lines += [f"| {spec} | {u} | {m:.1f} | {up:.3f} | {t:,} | {d} |" for u, (m, up, t, d) in by_user.items()]
+    page.md("## What each device spent\n\nFirst seed, per device: the largest training memory of its rounds "
+            "(frozen base at its precision + trainable state + one step's activations), what it uploaded, the "
+            "tokens it trained on, and the rounds a fleet's deadline or availability left it out.\n\n"
+            + "\n".join(lines))
+    plt = plt_()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    width = 0.8 / len(per)
+    for i, (spec, by_user) in enumerate(per.items()):
+        xs = [j + i * width for j in range(len(by_user))]
+        axes[0].bar(xs, [v[0] for v in by_user.values()], width, label=spec, color=COLORS[i % len(COLORS)])
+        axes[1].bar(xs, [v[1] for v in by_user.values()], width, label=spec, color=COLORS[i % len(COLORS)])
+    users = list(next(iter(per.values())))
+    for ax, label in zip(axes, ("training memory MB (max)", "MB uploaded (sum)")):
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(users))])
+        ax.set_xticklabels(users if len(users) <= 12 else [str(j) for j in range(len(users))],
+                           rotation=45 if len(users) > 6 else 0, ha="right" if len(users) > 6 else "center")
+        ax.set_xlabel("device")
+        ax.set_ylabel(label)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    page.fig(fig, "devices.png", "Each device's largest training memory and what it uploaded, per method (first seed)")
