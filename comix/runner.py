@@ -55,7 +55,8 @@ def load_inputs(cfg: RunConfig):
     if cfg.fleet:
         check_fleet_memory(cfg, model, users)
     server_data = make_server_data(corpus, tok, cfg.data, public)  # None unless data.public_frac
-    return runtime.prepare_base(model), tok, users, token_table(users), server_data
+    from .models.quant import on_device
+    return on_device(model, runtime), tok, users, token_table(users), server_data
 
 
 def check_fleet_memory(cfg, model, users) -> None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+QUANTS = ("none", "int8", "nf4")  # the frozen base's block linears (models/quant.py)
 
 
 @dataclass(frozen=True)
@@ -46,10 +47,9 @@ class Runtime:
         return torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
 
     def prepare_base(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Move the frozen base model to the device, in the compute dtype, its block linears
-        quantised when ``quant`` says so."""
-        from .models.quant import quantize_base
-        return quantize_base(model.to(device=self.device, dtype=self.dtype), self.quant, self.dtype, self.device)
+        """Move the frozen base model to the device, in the compute dtype (``quant`` is applied by
+        models/quant.py ``on_device``, which calls this first)."""
+        return model.to(device=self.device, dtype=self.dtype)
 
 
 def resolve(device: str = "auto", precision: str = "fp32", compile: bool | None = None, quant: str = "none") -> Runtime:
@@ -71,10 +71,8 @@ def resolve(device: str = "auto", precision: str = "fp32", compile: bool | None 
             raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) here")
     if precision == "fp16" and dev.type != "cuda":
         raise ValueError("precision fp16 needs a CUDA device (on the CPU use bf16 or fp32)")
-    from .models.quant import check_quant
-    problem = check_quant(quant)
-    if problem:
-        raise ValueError(problem)
+    if quant not in QUANTS:
+        raise ValueError(f"quant must be one of {', '.join(QUANTS)}, got {quant!r}")
     return Runtime(dev, precision, dev.type == "cuda" if compile is None else bool(compile), quant)
 
 

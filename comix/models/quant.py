@@ -23,7 +23,7 @@ import logging
 import torch
 from torch import nn
 
-QUANTS = ("none", "int8", "nf4")
+from ..runtime import QUANTS, Runtime
 
 
 def check_quant(quant: str) -> str | None:
@@ -44,6 +44,11 @@ def _bitsandbytes():
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     import bitsandbytes
     return bitsandbytes
+
+
+def on_device(model: nn.Module, runtime: Runtime) -> nn.Module:
+    """The frozen base as a run holds it: on the run's device, in its dtype, quantised as ``runtime.quant`` says."""
+    return quantize_base(runtime.prepare_base(model), runtime.quant, runtime.dtype, runtime.device)
 
 
 def quantize_linear(linear: nn.Linear, quant: str, compute_dtype: torch.dtype, device: torch.device) -> nn.Module:

@@ -53,7 +53,8 @@ def _recipe_users(model: str, corpus: str, data_yaml: str) -> list:
 @functools.lru_cache(maxsize=2)
 def _base(model: str, dropout: float, device: str, precision: str, quant: str = "none"):
     """The frozen base model, loaded once per process and device (shared by every client model)."""
-    return resolve(device, precision, quant=quant).prepare_base(load_base_model(model, dropout=dropout)[0])
+    from ...models.quant import on_device
+    return on_device(load_base_model(model, dropout=dropout)[0], resolve(device, precision, quant=quant))
 
 
 def node_user(cfg, node: dict, client: int):
