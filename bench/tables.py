@@ -24,6 +24,10 @@ Table kinds (``case.json``'s ``kind``):
   users      a CoMiGS Table 1 style table: per user and mean, one seed or mean over seeds.
   quant      bench/quant.py: the main job at each base precision (peak RSS, wall time, a device's
              base and training memory, each method's perplexity against the full-precision base).
+  fleet      bench/fleet.py: a job on a fleet's budgets beside the same job unconstrained, per
+             device profile (precision planned, memory, device time, perplexity and its cost).
+  compare    methods side by side over seeds: mean (std), per seed, the paired difference from
+             ``reference`` with a 95 % interval, bytes a client uploads a round, parameters it trains.
 The marker ``<!-- table: methods -->`` is the one table made from code, not results: every method
 as its class declares it (bench/methods_table.py; docs/methods.md).
 """
@@ -144,7 +148,68 @@ def quant_table(meta: dict, runs: dict) -> str:
     return "\n".join(rows)
 
 
-KINDS = {"ablation": ablation_table, "users": users_table, "quant": quant_table}
+def compare_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
+    """Methods side by side over seeds: the mean over users of the run's metric, mean (std) over
+    seeds and per seed, the paired difference from ``reference`` with a 95 % t interval, and
+    what a client spends: bytes it uploads a round (mean over the rounds it took part in) and the
+    parameters it trains (metrics.jsonl's ``trainable_mb`` / 16 bytes: fp32 weight, gradient and
+    AdamW's two moments)."""
+    ref, names = meta["reference"], meta.get("names", {})
+    seeds = sorted({s for by in runs.values() for s in by})
+    order = [m for m in meta.get("order", []) if m in runs] + sorted(set(runs) - set(meta.get("order", [])))
+    score = {m: {s: _result(d)["mean"] for s, d in by.items()} for m, by in runs.items()}
+    metric = _result(next(iter(runs[order[0]].values())))["metric"].replace("_", " ")
+    rows = [f"| method | {metric}, mean (std) over seeds | seed {' / '.join(map(str, seeds))} | minus "
+            f"{names.get(ref, ref)}: mean, 95 % interval | bytes up per client and round | trained per client |",
+            "|---|---|---|---|---:|---:|"]
+    for m in order:
+        by = score[m]
+        common = [s for s in seeds if s in by and s in score[ref]]
+        if m == ref or len(common) < 2:
+            diff = "-"
+        else:
+            mean, half = paired_interval([by[s] - score[ref][s] for s in common])
+            diff = f"{mean:+.2f} [{mean - half:+.2f}, {mean + half:+.2f}]"
+        trained = [r for d in runs[m].values() for r in _jsonl(d / "metrics.jsonl") if r.get("sampled")]
+        up = statistics.fmean(r["bytes_up"] for r in trained) if trained else 0
+        params = max((r.get("trainable_mb", 0) for r in trained), default=0) * 2**20 / 16
+        rows.append(f"| {names.get(m, m)} | {_mean_std(list(by.values()))} | "
+                    f"{' / '.join(f'{by[s]:.2f}' if s in by else '-' for s in seeds)} | {diff} | "
+                    f"{up / 2**20:.2f} MB | {params / 1e6:.2f} M |")
+    return "\n".join(rows)
+
+
+def fleet_table(meta: dict, runs: dict) -> str:
+    """bench/fleet.py: a job on a fleet (quant=auto: each device the base precision its budget
+    fits) beside the same job with every device unconstrained; per method and device profile, the
+    precisions the plan gave, the largest training memory against the budget, a device's seconds
+    a round at its profile's speed, and its devices' mean perplexity both ways."""
+    from collections import Counter
+    sys.path.insert(0, str(ROOT))
+    from comix.fleet import load_fleet
+    budget = {p.name: p.memory_mb for p in load_fleet(meta["fleet"]).profiles}
+    fleet, free = (load_case(meta["runs"][k])[1] for k in ("fleet", "unconstrained"))
+    rows = ["| method | devices | base | training MB, max (budget) | device s a round | mean test ppl: fleet | "
+            "unconstrained | cost |", "|---|---|---|---:|---:|---:|---:|---:|"]
+    for m in meta["methods"]:
+        on, off = (_result(next(iter(r[m].values()))) for r in (fleet, free))
+        trained = [r for r in _jsonl(next(iter(fleet[m].values())) / "metrics.jsonl") if r.get("sampled")]
+        groups = list(dict.fromkeys(r["profile"] for r in trained)) + ["all"]
+        for i, p in enumerate(groups):
+            mine = [r for r in trained if p in ("all", r["profile"])]
+            users = list(dict.fromkeys(r["user"] for r in mine))
+            a, b = (statistics.fmean(res["per_user"][u][on["metric"]] for u in users) for res in (on, off))
+            quants = Counter(next(r["quant"] for r in mine if r["user"] == u) for u in users)
+            cap = f" ({budget[p]:.0f})" if p in budget else ""
+            rows.append(f"| {meta.get('names', {}).get(m, m) if i == 0 else ''} | {p} ({len(users)}) | "
+                        f"{' / '.join(f'{q} x{n}' for q, n in quants.items())} | "
+                        f"{max(r['memory_mb'] for r in mine):.0f}{cap} | {statistics.fmean(r['device_s'] for r in mine):.1f} | "
+                        f"{a:.2f} | {b:.2f} | {100 * (a / b - 1):+.1f} % |")
+    return "\n".join(rows)
+
+
+KINDS = {"ablation": ablation_table, "users": users_table, "quant": quant_table, "compare": compare_table,
+         "fleet": fleet_table}
 
 
 def table(case: str) -> str:

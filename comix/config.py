@@ -67,8 +67,10 @@ class RunConfig:
     threads: int = 0                   # torch threads; 0 = torch's default
     device: str = "auto"               # auto (CUDA when present) | cpu | cuda | cuda:N
     precision: str = "fp32"            # fp32 | bf16 | fp16 (comix/runtime.py: fp32 adapter masters)
-    quant: str = "none"                # the frozen base's block linears: none | int8 | nf4 (QLoRA; models/quant.py)
-    fleet: str = ""                    # a fleet file: device budgets, throughput, availability, deadline (comix/fleet.py)
+    # the frozen base's block linears: none | int8 | nf4 (QLoRA; models/quant.py), one per client
+    # ([none, nf4, ...]), or auto: each device of the fleet the least-compressed that fits it (comix/fleet.py)
+    quant: str | list[str] = "none"
+    fleet: str = ""                    # a fleet file or a built-in fleet: device budgets, throughput, availability, deadline (comix/fleet.py)
     compile: bool | None = None        # torch.compile the mixtures' slot work; None (= auto): on CUDA only
     gpus_per_client: float = 0.0       # Flower simulation: GPU share of each virtual device (num_gpus)
     offload: bool = False              # keep idle clients' states on disk
@@ -139,8 +141,12 @@ class RunConfig:
             except ValueError as e:
                 raise ConfigError(str(e)) from None
         from .models.quant import check_quant
-        if check_quant(self.quant):
-            raise ConfigError(check_quant(self.quant))
+        if self.quant == "auto" and not self.fleet:
+            raise ConfigError("quant=auto picks each device's base precision from its memory budget: give a fleet "
+                              "(fleet=<file> or a built-in fleet)")
+        for q in dict.fromkeys([self.quant] if isinstance(self.quant, str) else self.quant):
+            if q != "auto" and check_quant(q):
+                raise ConfigError(check_quant(q))
         from .runtime import PRECISIONS
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
@@ -212,7 +218,8 @@ def _set(obj, dotted: str, value, prefix: str = "") -> None:
     if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     default = getattr(type(obj)(), head) if dataclasses.is_dataclass(obj) else current
-    if not _type_ok(value, default if default is not None else current):
+    per_client = key == "quant" and isinstance(value, list) and all(isinstance(v, str) for v in value)
+    if not per_client and not _type_ok(value, default if default is not None else current):
         want = type(default).__name__ if default is not None else "a value"
         raise ConfigError(f"config key {key!r} expects {want}, got {value!r}")
     setattr(obj, head, value)

@@ -2,9 +2,9 @@
 throughput and an availability; the simulation drops, each round, the devices that are not
 available or would miss the round's deadline, and the server aggregates the replies it has.
 
-    fleet: configs/fleets/mixed.yaml        # or fleet.* keys, e.g. fleet.deadline_s=60
-
-    # configs/fleets/mixed.yaml
+    fleet: my-fleet.yaml        # a file, or a built-in fleet: phones, edge-boards, mixed
+                                # (comix/data/fleets/, each figure with its source)
+    # my-fleet.yaml
     deadline_s: 60          # a round's deadline in seconds of device time (0: none)
     profiles:
       - {name: phone-1gb, share: 0.34, memory_mb: 1024, tokens_per_s: 400, availability: 0.8}
@@ -15,10 +15,11 @@ Clients take the profiles in order of their index, by share (``profile_of``). A 
 takes ``tokens / tokens_per_s`` seconds of its time (the tokens its training forwards read,
 measured on the device: engines/device.py Footprint), so the deadline drops the same devices on
 every engine and every machine. Availability is drawn per device and round from a generator
-seeded by (run seed, round, client). Memory: ``plan`` reads the training memory one client of
+seeded by (run seed, round, client). Memory: ``plan`` reads the training memory each client of
 the method needs (the frozen base at each precision, the trainable state, one step's
-activations) and picks the least-compressed base precision with which every device fits, or
-refuses the run in one line naming the device nothing fits.
+activations) and checks that every device fits the run's base precision; with ``quant=auto``
+each device gets the least-compressed precision that fits its budget (its own base: devices
+differ). A device nothing fits stops the run in one line, before any work.
 """
 from __future__ import annotations
 
@@ -69,14 +70,21 @@ class Fleet:
         return self.deadline_s > 0 and self.seconds(client, n_clients, tokens) > self.deadline_s
 
 
+BUILTIN = Path(__file__).parent / "data" / "fleets"  # phones, edge-boards, mixed: sources in each file
+
+
+def builtin_fleets() -> list[str]:
+    return sorted(f.stem for f in BUILTIN.glob("*.yaml"))
+
+
 def load_fleet(path: str | None) -> Fleet | None:
-    """The fleet of a file (None: every device alike, always there, no deadline). One line
-    naming the file and the bad key on bad input."""
+    """The fleet of a file or a built-in fleet's name (None: every device alike, always there, no
+    deadline). One line naming the file and the bad key on bad input."""
     if not path:
         return None
-    file = Path(path)
+    file = BUILTIN / f"{path}.yaml" if path in builtin_fleets() else Path(path)
     if not file.is_file():
-        raise ValueError(f"fleet {path}: no such file")
+        raise ValueError(f"fleet {path}: no such file (built-in fleets: {', '.join(builtin_fleets())})")
     try:
         raw = yaml.safe_load(file.read_text()) or {}
         profiles = [DeviceProfile(**p) for p in raw.get("profiles", [])]
@@ -92,16 +100,24 @@ def load_fleet(path: str | None) -> Fleet | None:
     return fleet
 
 
-def plan(fleet: Fleet, need_mb: dict[str, float], method: str) -> tuple[str, dict[str, str]]:
-    """(the run's base precision, {profile: the least-compressed precision that fits it}) from the
-    memory one client of ``method`` needs at each precision (``need_mb``: none / int8 / nf4). The
-    simulation shares one frozen base, so the run takes the most compressed any device needs."""
-    order = [q for q in ("none", "int8", "nf4") if q in need_mb]
-    fits = {}
-    for p in fleet.profiles:
-        ok = [q for q in order if need_mb[q] <= p.memory_mb]
-        if not ok:
-            raise ValueError(f"fleet: nothing fits device {p.name!r} ({p.memory_mb:g} MB) for {method}: it needs "
-                             + ", ".join(f"{need_mb[q]:.0f} MB with quant={q}" for q in order))
-        fits[p.name] = ok[0]
-    return max(fits.values(), key=order.index), fits
+def plan(fleet: Fleet, needs: list[dict[str, float]], quant: str | list[str], method: str) -> tuple[str, ...]:
+    """Each client's base precision for ``method``. ``needs[c]``: the MB client c needs to train
+    with the base at each precision (none / int8 / nf4: engines/device.py ``training_memory``).
+    ``quant=auto``: the least-compressed precision that fits the device's budget (quantise only
+    as far as its memory forces: NF4 costs perplexity, the README's quantised-base table); a
+    precision, or one per client: that one, checked. One line naming the device that nothing (or
+    not the asked precision) fits."""
+    n, out = len(needs), []
+    for c, need in enumerate(needs):
+        p = fleet.profile_of(c, n)
+        fits = [q for q in ("none", "int8", "nf4") if q in need and need[q] <= p.memory_mb]
+        want = quant if isinstance(quant, str) else quant[c]
+        if not fits:
+            raise ValueError(f"fleet: nothing fits device {c} ({p.name}, {p.memory_mb:g} MB) for {method}: it needs "
+                             + ", ".join(f"{v:.0f} MB with quant={q}" for q, v in need.items()))
+        if want not in ("auto", *fits):
+            raise ValueError(f"fleet: device {c} ({p.name}, {p.memory_mb:g} MB) cannot train {method} with "
+                             f"quant={want} ({need[want]:.0f} MB); quant={fits[0]} fits it "
+                             f"({need[fits[0]]:.0f} MB), quant=auto picks per device")
+        out.append(fits[0] if want == "auto" else want)
+    return tuple(out)

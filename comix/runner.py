@@ -26,7 +26,9 @@ def load_inputs(cfg: RunConfig):
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    runtime = resolve(cfg.device, cfg.precision, cfg.compile, cfg.quant)
+    # the shared base: at the run's precision, or in full precision when devices differ (quant=auto
+    # or one per client: each client's model quantises a copy, engines/inprocess.py ClientModels)
+    runtime = resolve(cfg.device, cfg.precision, cfg.compile, "none" if cfg.quant == "auto" else cfg.quant)
     check_model_spec(cfg.model)
     corpus = load_corpus(cfg.corpus)
     shape = model_config(cfg.model)  # sizes only, no weights
@@ -52,32 +54,36 @@ def load_inputs(cfg: RunConfig):
                          f"({context} tokens)")
     users = make_user_data(corpus, tok, cfg.data)
     check_seq_len(users, cfg.train.seq_len)
+    if not isinstance(cfg.quant, str) and len(cfg.quant) != len(users):
+        raise ValueError(f"quant gives {len(cfg.quant)} precisions for {len(users)} clients: one per client")
     if cfg.fleet:
-        check_fleet_memory(cfg, model, users)
+        for spec in cfg.methods:  # every device fits, before any work (the plan is made again per run)
+            fleet_plan(cfg, spec, model, users)
     server_data = make_server_data(corpus, tok, cfg.data, public)  # None unless data.public_frac
     from .models.quant import on_device
     return on_device(model, runtime), tok, users, token_table(users), server_data
 
 
-def check_fleet_memory(cfg, model, users) -> None:
-    """Every device of the fleet fits each method's training at the run's base precision, or the
-    run stops here in one line naming the device and the precision that would fit (fleet.plan):
-    what one client needs is read from one measured training step of client 0's model."""
+def fleet_plan(cfg, spec: str, model, users) -> str | tuple[str, ...]:
+    """Each device's base precision for ``spec`` (comix/fleet.py ``plan``), from the memory one
+    measured training step of each client's model needs on the full-precision ``model``: every
+    device fits, or one line names the one that does not."""
     from .engines.device import training_memory
     from .fleet import load_fleet, plan
-    fleet = load_fleet(cfg.fleet)
-    for spec in cfg.methods:
-        algo = build_algorithm(cfg, spec, len(users))
-        if not algo.trains or algo.device_spec(0) is not None:
-            continue
-        need = training_memory(model, algo, users[0])
-        run_quant, fits = plan(fleet, need, spec)
-        order = ["none", "int8", "nf4"]
-        if order.index(cfg.quant) < order.index(run_quant):
-            tight = next(n for n, q in fits.items() if q == run_quant)
-            raise ValueError(f"fleet: device {tight!r} cannot train {spec} with quant={cfg.quant} "
-                             f"({need[cfg.quant]:.0f} MB); quant={run_quant} fits every device "
-                             f"({need[run_quant]:.0f} MB)")
+    algo = build_algorithm(cfg, spec, len(users))
+    if not algo.trains or algo.pooled or algo.device_spec(0) is not None:  # no device trains an adapter
+        return cfg.quant if cfg.quant != "auto" else "none"
+    measured = {}  # clients with the same adapters and batch shape are measured once
+    needs = [training_memory(model, algo, users[c], c, measured) for c in range(algo.n_clients)]
+    return plan(load_fleet(cfg.fleet), needs, cfg.quant, spec)
+
+
+def device_quants(cfg, spec: str, model, users) -> str | tuple[str, ...]:
+    """The precision of each device's frozen base for ``spec`` (a Runtime's ``quant``): the
+    config's, or (quant=auto) its fleet's plan, made on the full-precision base the run keeps."""
+    if cfg.quant == "auto":
+        return fleet_plan(cfg, spec, model, users)
+    return cfg.quant if isinstance(cfg.quant, str) else tuple(cfg.quant)
 
 
 def run_spec(cfg, spec: str, seed: int, out: Path, model, users, console, server_data=None) -> dict:
@@ -95,12 +101,20 @@ def run_spec(cfg, spec: str, seed: int, out: Path, model, users, console, server
     mcfg = spec_config(cfg, spec)
     algo = build_algorithm(cfg, spec, len(users))
     n_clients = algo.n_clients
+    quant = device_quants(cfg, spec, model, users)
+    if cfg.fleet and not isinstance(quant, str):
+        console.print(f"{spec}: each device's base precision (fleet plan): "
+                      + ", ".join(f"{q} x{quant.count(q)}" for q in dict.fromkeys(quant)))
     if cfg.engine == "flower-sim" and algo.trains and not algo.pooled:
+        import dataclasses
+
         from .config import to_dict
         from .engines.flower.simulation import simulate
         from .files import atomic_write
         recipe = out.parent / f".{out.name}.flower-sim.yaml"
-        text = yaml.safe_dump(to_dict(cfg), sort_keys=False)
+        # the devices read their own precision from the recipe: the plan, one per client
+        planned = dataclasses.replace(cfg, quant=list(quant) if not isinstance(quant, str) else quant)
+        text = yaml.safe_dump(to_dict(planned), sort_keys=False)
         atomic_write(recipe, lambda p: Path(p).write_text(text))
         console.print(f"{spec}: Flower simulation (Ray on 127.0.0.1) with {n_clients} virtual devices")
         res = simulate(recipe, spec, out.parent, n_clients, seed=seed, cpus=cfg.threads or None,
@@ -134,7 +148,7 @@ def run_spec(cfg, spec: str, seed: int, out: Path, model, users, console, server
         try:
             res = run_method(algo, model, users, out, seed=seed, resume=True, offload=mcfg.offload,
                              progress=progress, keep_checkpoints=mcfg.keep_checkpoints,
-                             runtime=resolve(cfg.device, cfg.precision, cfg.compile, cfg.quant), server_data=server_data)
+                             runtime=resolve(cfg.device, cfg.precision, cfg.compile, quant), server_data=server_data)
         finally:
             listen(None)
         bar.update(task, completed=bar.tasks[0].total)

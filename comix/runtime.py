@@ -30,7 +30,20 @@ class Runtime:
     device: torch.device = torch.device("cpu")
     precision: str = "fp32"
     compile: bool = False
-    quant: str = "none"  # the frozen base's linears: none | int8 | nf4 (models/quant.py)
+    # the frozen base's linears: none | int8 | nf4 (models/quant.py), or one per client (a fleet's
+    # plan, comix/fleet.py: each device's base at the precision its memory budget allows)
+    quant: str | tuple[str, ...] = "none"
+
+    def quant_of(self, client: int) -> str:
+        """The precision of client ``client``'s frozen base."""
+        return self.quant if isinstance(self.quant, str) else self.quant[client]
+
+    @property
+    def base_quant(self) -> str:
+        """The precision the run's shared base is loaded at: the one every client has, or full
+        precision when they differ (each client's model then quantises a copy: engines/inprocess.py)."""
+        kinds = {self.quant} if isinstance(self.quant, str) else set(self.quant)
+        return kinds.pop() if len(kinds) == 1 else "none"
 
     @property
     def dtype(self) -> torch.dtype:
@@ -52,7 +65,8 @@ class Runtime:
         return model.to(device=self.device, dtype=self.dtype)
 
 
-def resolve(device: str = "auto", precision: str = "fp32", compile: bool | None = None, quant: str = "none") -> Runtime:
+def resolve(device: str = "auto", precision: str = "fp32", compile: bool | None = None,
+            quant: str | list[str] | tuple[str, ...] = "none") -> Runtime:
     """A Runtime from the config's strings, with a one-line error naming the bad value."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
@@ -71,8 +85,10 @@ def resolve(device: str = "auto", precision: str = "fp32", compile: bool | None 
             raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) here")
     if precision == "fp16" and dev.type != "cuda":
         raise ValueError("precision fp16 needs a CUDA device (on the CPU use bf16 or fp32)")
-    if quant not in QUANTS:
-        raise ValueError(f"quant must be one of {', '.join(QUANTS)}, got {quant!r}")
+    for q in [quant] if isinstance(quant, str) else quant:
+        if q not in QUANTS:
+            raise ValueError(f"quant must be one of {', '.join(QUANTS)} (or one per client), got {q!r}")
+    quant = quant if isinstance(quant, str) else tuple(quant)
     return Runtime(dev, precision, dev.type == "cuda" if compile is None else bool(compile), quant)
 
 

@@ -46,13 +46,20 @@ def test_availability_is_drawn_per_device_and_round_from_the_seed():
     assert all(Fleet([DeviceProfile("p", 1.0, 1, 1)]).available(c, 10, 1, 3) for c in range(10))
 
 
-def test_the_memory_plan_takes_the_least_compressed_base_that_fits_every_device():
+def test_the_memory_plan_gives_each_device_the_least_compressed_base_that_fits_it():
     fleet = Fleet([DeviceProfile("phone-1gb", 0.5, 1024, 1), DeviceProfile("board-4gb", 0.5, 4096, 1)])
-    assert plan(fleet, {"none": 3000, "int8": 1500, "nf4": 900}, "m") == ("nf4", {"phone-1gb": "nf4",
-                                                                                 "board-4gb": "none"})
-    assert plan(fleet, {"none": 1000, "int8": 600, "nf4": 500}, "m")[0] == "none"
-    with pytest.raises(ValueError, match="nothing fits device 'phone-1gb' \\(1024 MB\\) for m"):
-        plan(fleet, {"none": 3000, "int8": 2000, "nf4": 1100}, "m")
+    need = {"none": 3000, "int8": 1500, "nf4": 900}
+    assert plan(fleet, [need] * 4, "auto", "m") == ("nf4", "nf4", "none", "none")
+    assert plan(fleet, [need, need, {"none": 5000, "int8": 2000, "nf4": 1000}, need], "auto", "m") == (
+        "nf4", "nf4", "int8", "none")  # each device by its own need
+    assert plan(fleet, [need] * 4, ["nf4", "nf4", "int8", "none"], "m") == ("nf4", "nf4", "int8", "none")
+    with pytest.raises(ValueError, match=r"device 1 \(phone-1gb, 1024 MB\) cannot train m with quant=int8 "
+                                         r"\(1500 MB\); quant=nf4 fits it"):
+        plan(fleet, [need] * 4, ["nf4", "int8", "none", "none"], "m")
+    with pytest.raises(ValueError, match=r"device 0 \(phone-1gb, 1024 MB\) cannot train m with quant=none"):
+        plan(fleet, [need] * 4, "none", "m")
+    with pytest.raises(ValueError, match=r"nothing fits device 0 \(phone-1gb, 1024 MB\) for m"):
+        plan(fleet, [{"none": 3000, "int8": 2000, "nf4": 1100}] * 4, "auto", "m")
 
 
 def test_a_run_whose_base_does_not_fit_a_device_is_refused_naming_the_precision_that_would(tmp_path, capsys):
@@ -70,7 +77,7 @@ def test_a_run_whose_base_does_not_fit_a_device_is_refused_naming_the_precision_
     fleet = _fleet_file(tmp_path, f"profiles:\n  - {{name: small, share: 1.0, memory_mb: {budget}, tokens_per_s: 1}}\n")
     assert main(["run", *COMMON, f"fleet={fleet}", f"run_dir={tmp_path / 'run'}"]) == 2
     err = capsys.readouterr().err
-    assert "device 'small' cannot train fedavg with quant=none" in err and "fits every device" in err
+    assert "device 0 (small, " in err and "cannot train fedavg with quant=none" in err and "quant=auto" in err
     assert not (tmp_path / "run").exists()
 
 
@@ -81,3 +88,56 @@ def test_a_bad_fleet_file_is_named_in_one_line(tmp_path, capsys):
     assert err[-1].startswith(f"comix: error: fleet {bad}:") and "memory" in err[-1]
     assert main(["run", *COMMON, f"fleet={tmp_path / 'none.yaml'}", f"run_dir={tmp_path / 'run'}"]) == 2
     assert "no such file" in capsys.readouterr().err and not (tmp_path / "run").exists()
+
+
+def test_quant_auto_gives_each_device_its_own_base_and_each_trains_as_alone_at_that_precision(tmp_path):
+    # Local: no client depends on another, so each client of a fleet whose devices differ in
+    # precision must score exactly as in a run where every device has that client's precision
+    from comix.config import load_config
+    from comix.data import load_corpus, make_user_data
+    from comix.engines.device import training_memory
+    from comix.models import load_base_model
+    from comix.specs import build_algorithm
+    common = [*COMMON, "methods=[local]", "train.rounds=1"]
+    cfg = load_config(None, common)
+    model, tok = load_base_model("tiny-llama")
+    need = training_memory(model, build_algorithm(cfg, "local", 4), make_user_data(load_corpus(cfg.corpus), tok,
+                                                                                   cfg.data)[0])
+    fleet = _fleet_file(tmp_path, f"profiles:\n  - {{name: small, share: 0.5, memory_mb: {(need['none'] + need['nf4']) / 2}, "
+                                  "tokens_per_s: 1}\n  - {name: big, share: 0.5, memory_mb: 100000, tokens_per_s: 1}\n")
+    assert main(["run", *common, f"fleet={fleet}", "quant=auto", f"run_dir={tmp_path / 'auto'}"]) == 0
+    for q in ("int8", "none"):  # the small devices fit int8, the least-compressed that fits them
+        assert main(["run", *common, f"quant={q}", f"run_dir={tmp_path / q}"]) == 0
+
+    def read(run):
+        metrics = [json.loads(x) for x in (tmp_path / run / "local" / "metrics.jsonl").read_text().splitlines()]
+        res = json.loads((tmp_path / run / "local" / "results.json").read_text())["per_user"]
+        return {m["user"]: m["base_mb"] for m in metrics if "base_mb" in m}, {u: r["test_ppl"] for u, r in res.items()}
+    base_mb, ppl = read("auto")
+    int8, none = read("int8"), read("none")
+    assert base_mb == {"de": int8[0]["de"], "fr": int8[0]["fr"], "it": none[0]["it"], "nl": none[0]["nl"]}
+    assert base_mb["de"] < base_mb["it"]
+    assert ppl == pytest.approx({"de": int8[1]["de"], "fr": int8[1]["fr"], "it": none[1]["it"], "nl": none[1]["nl"]},
+                                rel=1e-6)
+    assert int8[1]["de"] != pytest.approx(none[1]["de"], rel=1e-6)  # the precisions do score differently
+
+
+def test_quant_auto_needs_a_fleet_and_a_list_one_precision_per_client(tmp_path, capsys):
+    assert main(["run", *COMMON, "quant=auto", f"run_dir={tmp_path / 'a'}"]) == 2
+    assert "quant=auto picks each device's base precision from its memory budget: give a fleet" in capsys.readouterr().err
+    assert main(["run", *COMMON, "quant=[nf4,none]", f"run_dir={tmp_path / 'b'}"]) == 2
+    assert "quant gives 2 precisions for 4 clients" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_the_built_in_fleets_load_by_name_and_say_where_each_figure_comes_from(tmp_path, capsys):
+    from comix.fleet import builtin_fleets, load_fleet
+    assert builtin_fleets() == ["edge-boards", "mixed", "phones"]
+    for name in builtin_fleets():
+        fleet = load_fleet(name)
+        assert fleet.profiles and all(p.source and p.problem() is None for p in fleet.profiles)
+    mixed = load_fleet("mixed")  # the thirds at 1, 2 and 4 GB, two speeds
+    assert [p.memory_mb for p in mixed.profiles] == [1024, 2048, 4096]
+    assert len({p.tokens_per_s for p in mixed.profiles}) == 2
+    assert main(["run", *COMMON, "fleet=tablets", f"run_dir={tmp_path / 'run'}"]) == 2
+    assert "fleet tablets: no such file (built-in fleets: edge-boards, mixed, phones)" in capsys.readouterr().err

@@ -223,19 +223,26 @@ class Footprint:
         self.seen.clear()
 
 
-def training_memory(base: nn.Module, algorithm: Algorithm, user: UserData) -> dict[str, float]:
-    """MB one client of ``algorithm`` needs to train, with the base at each precision: the base's
-    bytes (its block linears at 4 bytes, 1 byte + a scale per row, or half a byte + a scale per
-    block of 64: bitsandbytes' int8 and NF4 storage), the trainable state (parameters, gradients,
-    AdamW's moments, fp32) and the activations of one measured training step."""
+def training_memory(base: nn.Module, algorithm: Algorithm, user: UserData, client: int = 0,
+                    measured: dict | None = None) -> dict[str, float]:
+    """MB client ``client`` of ``algorithm`` needs to train on ``user``'s data, with the
+    full-precision ``base`` at each precision: the base's bytes (its block linears at 4 bytes, 1
+    byte + a scale per row, or half a byte + a scale per block of 64: bitsandbytes' int8 and NF4
+    storage), the trainable state (parameters, gradients, AdamW's moments, fp32) and the
+    activations of one measured training step (its first batch). ``measured`` memoises by adapter
+    architecture and batch shape: clients alike are measured once."""
     import copy
 
     from ..models import inject_adapters
     from ..models.inject import transformer_blocks
-    model = inject_adapters(copy.deepcopy(base), algorithm.adapter_config(0)).train()
-    fresh_adapters(model, 0)
+    cfg = algorithm.adapter_config(client)
     gen = torch.Generator().manual_seed(0)
-    x, y = algorithm.train_batch(ClientContext(0, model, user, algorithm.train), gen)
+    x, y = algorithm.train_batch(ClientContext(client, None, user, algorithm.train), gen)
+    key = (repr(cfg), tuple(x.shape))
+    if measured is not None and key in measured:
+        return measured[key]
+    model = inject_adapters(copy.deepcopy(base), cfg).train()
+    fresh_adapters(model, 0)
     with Footprint(model) as footprint:
         from ..algorithms.training import lm_loss
         lm_loss(model, x, y).backward()
@@ -246,7 +253,10 @@ def training_memory(base: nn.Module, algorithm: Algorithm, user: UserData) -> di
     total = base_bytes(base)
     rest = total - weights * linears[0].weight.element_size()  # embeddings, norms, head: as they are
     stored = {"none": weights * 4, "int8": weights + rows * 4, "nf4": weights / 2 + weights / 64}
-    return {q: (rest + b + trainable + footprint.peak) / 2**20 for q, b in stored.items()}
+    need = {q: (rest + b + trainable + footprint.peak) / 2**20 for q, b in stored.items()}
+    if measured is not None:
+        measured[key] = need
+    return need
 
 
 class Device:
@@ -271,8 +281,8 @@ class Device:
         ``train_s`` (wall time of the round on this device), ``trainable_mb`` (what training holds
         beyond the frozen base: the trainable parameters, their gradients and AdamW's two moments,
         all fp32) and, on CUDA, ``peak_mem_mb`` (torch's peak allocation during the round); and what
-        the device spent (``Footprint``): ``tokens`` of its training forwards, ``base_mb`` (the
-        frozen base at its storage precision: quantised or not), ``activation_mb`` and
+        the device spent (``Footprint``): ``tokens`` of its training forwards, ``quant`` and ``base_mb`` (the
+        frozen base's precision and its bytes at it), ``activation_mb`` and
         ``memory_mb`` = base + trainable + activations, its training memory."""
         cuda = self.runtime.device.type == "cuda"
         if cuda:
@@ -295,7 +305,8 @@ class Device:
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         metrics["trainable_mb"] = round(trainable * 4 * 4 / 2**20, 3)
         base_mb = base_bytes(self.model) / 2**20
-        metrics.update(tokens=footprint.tokens, base_mb=round(base_mb, 3), activation_mb=round(footprint.peak / 2**20, 3),
+        metrics.update(tokens=footprint.tokens, quant=self.runtime.quant_of(self.client), base_mb=round(base_mb, 3),
+                       activation_mb=round(footprint.peak / 2**20, 3),
                        memory_mb=round(base_mb + metrics["trainable_mb"] + footprint.peak / 2**20, 3))
         if cuda:
             metrics["peak_mem_mb"] = round(torch.cuda.max_memory_allocated(self.runtime.device) / 2**20, 1)

@@ -22,7 +22,7 @@ from ..algorithms.base import ServerContext, Tensors
 from ..data import UserData
 from ..models import inject_adapters
 from ..models.mixture import set_compiled
-from ..models.quant import shared_objects
+from ..models.quant import quant_of_base, quantize_base, shared_objects
 from ..runtime import Runtime
 from ..progress import step as phase_step
 from ..files import atomic_write
@@ -36,6 +36,20 @@ class ClientModels:
 
     def __init__(self, base: nn.Module, algorithm: Algorithm, runtime: Runtime = Runtime()):
         self.base, self.algorithm, self.runtime, self.models = base, algorithm, runtime, {}
+        self.bases = {quant_of_base(base): base}
+
+    def base_at(self, quant: str) -> nn.Module:
+        """The frozen base at ``quant``: the run's own, or (a fleet whose devices differ in
+        precision) a copy of the full-precision base quantised once and shared by those clients."""
+        if isinstance(self.runtime.quant, str):  # one precision for the run: its base, as loaded
+            return self.base
+        if quant not in self.bases:
+            if "none" not in self.bases:
+                raise ValueError(f"a client's base at quant={quant} cannot be made from the run's "
+                                 f"{quant_of_base(self.base)} base (quantise copies of a full-precision one)")
+            self.bases[quant] = quantize_base(copy.deepcopy(self.bases["none"]), quant, self.runtime.dtype,
+                                              self.runtime.device)
+        return self.bases[quant]
 
     def for_client(self, client: int) -> nn.Module:
         spec = self.algorithm.device_spec(client)
@@ -43,12 +57,13 @@ class ClientModels:
             if spec not in self.models:
                 self.models[spec] = self.algorithm.build_device_model(spec, self.base).to(self.runtime.device)
             return self.models[spec]
-        cfg = self.algorithm.adapter_config(client)
-        key = repr(cfg)
+        cfg, quant = self.algorithm.adapter_config(client), self.runtime.quant_of(client)
+        key = (repr(cfg), quant)
         if key not in self.models:
             # the copy reuses the base's frozen tensors themselves (memo): no second copy in memory
-            shared = {id(t): t for t in (*self.base.parameters(), *self.base.buffers(), *shared_objects(self.base))}
-            model = copy.deepcopy(self.base, memo=shared)
+            base = self.base_at(quant)
+            shared = {id(t): t for t in (*base.parameters(), *base.buffers(), *shared_objects(base))}
+            model = copy.deepcopy(base, memo=shared)
             self.models[key] = set_compiled(inject_adapters(model, cfg), self.runtime.compile).to(self.runtime.device)
         return self.models[key]
 

@@ -190,7 +190,8 @@ def serve(algorithm: Algorithm, transport: Transport, users: list[str], out_dir:
                 continue
             client_metrics[c] = {"sampled": True, **reply[1], "bytes_up": tensor_bytes(reply[0]), "bytes_down": down}
             if fleet:
-                client_metrics[c]["device_s"] = round(fleet.seconds(c, n_clients, reply[1].get("tokens", 0)), 3)
+                client_metrics[c].update(profile=fleet.profile_of(c, n_clients).name,
+                                         device_s=round(fleet.seconds(c, n_clients, reply[1].get("tokens", 0)), 3))
                 if fleet.late(c, n_clients, reply[1].get("tokens", 0)):  # trained, but the server did not wait
                     client_metrics[c].update(dropped="deadline", bytes_up=0)
                     continue

@@ -29,7 +29,7 @@ from ..runtime import QUANTS, Runtime
 def check_quant(quant: str) -> str | None:
     """Why ``quant`` cannot run here (one line), or None."""
     if quant not in QUANTS:
-        return f"quant must be one of {', '.join(QUANTS)}, got {quant!r}"
+        return f"quant must be one of {', '.join(QUANTS)}, auto (with a fleet) or one per client, got {quant!r}"
     if quant != "none":
         try:
             _bitsandbytes()
@@ -48,7 +48,13 @@ def _bitsandbytes():
 
 def on_device(model: nn.Module, runtime: Runtime) -> nn.Module:
     """The frozen base as a run holds it: on the run's device, in its dtype, quantised as ``runtime.quant`` says."""
-    return quantize_base(runtime.prepare_base(model), runtime.quant, runtime.dtype, runtime.device)
+    return quantize_base(runtime.prepare_base(model), runtime.base_quant, runtime.dtype, runtime.device)
+
+
+def quant_of_base(model: nn.Module) -> str:
+    """The precision ``model``'s block linears are stored at: nf4, int8 or none."""
+    kinds = {type(m).__name__ for m in model.modules()}
+    return "nf4" if "Linear4bit" in kinds else "int8" if "Linear8bitLt" in kinds else "none"
 
 
 def quantize_linear(linear: nn.Linear, quant: str, compute_dtype: torch.dtype, device: torch.device) -> nn.Module:

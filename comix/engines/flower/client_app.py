@@ -90,8 +90,10 @@ def device_for(run: dict, context: Context, read: int, write: int) -> Device:
     if REGISTRY[name][0].pooled or not algo.trains:
         raise ValueError(f"method {name} does not run on devices")
     # each SuperNode computes on its own device: node config `device` (e.g. cuda:1) or the recipe's
-    runtime = resolve(str(node.get("device", cfg.device)), cfg.precision, cfg.compile, cfg.quant)
-    base = _base(cfg.model, cfg.dropout, str(node.get("device", cfg.device)), cfg.precision, cfg.quant)
+    # this device's base precision: the run's, or its own of a fleet's plan (one per client)
+    quant = cfg.quant if isinstance(cfg.quant, str) else cfg.quant[client]
+    runtime = resolve(str(node.get("device", cfg.device)), cfg.precision, cfg.compile, quant)
+    base = _base(cfg.model, cfg.dropout, str(node.get("device", cfg.device)), cfg.precision, quant)
     key = hashlib.sha1(f"{run['config']}|{run['method']}|{run['seed']}".encode()).hexdigest()[:12]
     state_dir = node.get("state-dir") or run.get("state_dir") or "comix-device-state"
     store = RoundStore(Path(str(state_dir)) / key, read, write)

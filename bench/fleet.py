@@ -1,0 +1,70 @@
+"""A job on a fleet's memory budgets beside the same job with every device unconstrained: what
+the budgets cost. Default: configs/devices/mixed-16.yaml (16 devices of the built-in mixed fleet,
+FedAvg and CoMiGS-1G1S on SmolLM2-135M, quant=auto).
+
+    python bench/fleet.py [--config configs/devices/mixed-16.yaml] [-- key=value ...]
+
+Runs ``comix run <config>`` (the fleet) and ``comix run <config> quant=none fleet=`` (every device
+in full precision, no budget) one after the other under /usr/bin/time -v, saves both as cases
+(bench/tables.py --save) and the measurements in ``<case>/case.json``; ``python bench/tables.py``
+makes the docs' table from them.
+"""
+from __future__ import annotations
+
+import footprint  # noqa: F401  (prints wall time and peak RSS at exit)
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from tables import RESULTS, save  # noqa: E402
+
+
+def run(config: str, extra: list[str], out: Path) -> dict:
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [sys.executable, "-m", "comix.cli", "run", config, f"run_dir={out}", *extra]
+    t0 = time.perf_counter()
+    proc = subprocess.run(["/usr/bin/time", "-v", *cmd], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if proc.returncode:
+        sys.exit(f"bench/fleet.py: {' '.join(cmd[2:])} failed:\n{proc.stderr[-2000:]}")
+    peak = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr).group(1)) / 1024
+    return {"wall_s": round(time.perf_counter() - t0, 1), "peak_rss_mb": round(peak, 1)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/devices/mixed-16.yaml")
+    ap.add_argument("extra", nargs="*", help="key=value overrides for both runs")
+    args = ap.parse_args(argv)
+    name = "fleet-" + Path(args.config).stem
+    recipe = yaml.safe_load((ROOT / args.config).read_text())
+    measures = {}
+    for part, extra in (("fleet", []), ("unconstrained", ["quant=none", "fleet=''"])):
+        out = ROOT / "runs" / f"{name}-{part}"
+        measures[part] = run(args.config, [*args.extra, *extra], out)
+        save(out, f"{name}-{part}", {"kind": "users", "part_of": name})
+        print(f"{part}: {measures[part]['wall_s']:.0f} s, peak RSS {measures[part]['peak_rss_mb']:.0f} MB")
+    case = {"kind": "fleet", "command": f"python bench/fleet.py --config {args.config} " + " ".join(args.extra),
+            "machine": f"{os.cpu_count()}-core {platform.machine()} CPU, alone", "date": datetime.date.today().isoformat(),
+            "fleet": recipe["fleet"], "methods": recipe["methods"],
+            "runs": {"fleet": f"{name}-fleet", "unconstrained": f"{name}-unconstrained"}, "measures": measures}
+    (RESULTS / name).mkdir(parents=True, exist_ok=True)
+    (RESULTS / name / "case.json").write_text(json.dumps(case, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
