@@ -64,12 +64,20 @@ def row(name: str) -> str:
         return f"| `{name}` | {_what(cls, variant)} | {sent} | - | - | - | {source} |"
     with torch.device("meta"):
         model = inject_adapters(AutoModelForCausalLM.from_config(model_config(MODEL)), algo.adapter_config(0))
+    for module in model.modules():  # the state a method reads to pick what it trains (FedLEASE's
+        for pn, p in list(module.named_parameters(recurse=False)):  # (M, g)) as real zeros, not meta
+            if param_role(f"x.{pn}") == "lease_state":
+                setattr(module, pn, torch.nn.Parameter(torch.zeros(p.shape), requires_grad=False))
     params = {n: p for n, p in model.named_parameters() if param_role(n) != "base"}
     adapters = algo.adapters_of(params)  # as a client's state names them (FedAMoLE: experts by global id)
     shared = [n for n in adapters if algo.is_shared(n)]
     stays = [n for n in adapters if n not in shared]
     up = sum(adapters[n].numel() for n in shared)
-    trained = sum(p.numel() for p in params.values() if p.requires_grad)
+    # what the local optimiser updates (Algorithm.train_params: FedALT's frozen rest-of-world,
+    # FFA-LoRA's frozen A and FedLEASE's other clusters' experts excluded) and routers' own steps
+    from comix.algorithms.training import router_params
+    names = {n for n, _ in algo.train_params(model)} | {n for n, _ in router_params(model)}
+    trained = sum(p.numel() for n, p in params.items() if n in names)
     return (f"| `{name}` | {_what(cls, variant)} | {_roles(shared) if not algo.pooled else 'nothing'} | "
             f"{_roles(stays) if not algo.pooled else 'every adapter (one pooled model)'} | "
             f"{up if not algo.pooled else 0:,} | {trained:,} | {source} |")

@@ -6,6 +6,7 @@ import torch
 from comix.algorithms import ClientState, make_algorithm
 from comix.algorithms.flora import STACK, stack
 from comix.algorithms.training import expert_lr, load_adapters
+from comix.engines.device import fresh_adapters
 from comix.models import LoRAConfig, param_role
 from comix.models.lora import LoRALinear
 from test_algorithms import _client, _train, setup  # noqa: F401 (setup: the shared tiny fixture)
@@ -429,3 +430,38 @@ def test_fresh_adapters_draw_every_tensor_of_the_new_layers_from_the_seed(setup,
     torch.manual_seed(99)
     again = fresh_adapters(m, 3)
     assert all(torch.equal(first[n], again[n]) for n in first)
+
+
+def test_the_recent_methods_train_loras_of_fedit_s_size_as_their_authors_compare_them(setup):
+    """Each paper compares at FedIT's LoRA (q_proj and v_proj, the same rank): FLoRA's client LoRA
+    is FedIT's (FLoRA Sec. 5, homogeneous ranks); FedDPA's global and local adapters are each
+    FedIT's (FedDPA Sec. 4); FedALT's own LoRA and its frozen rest-of-world are each FedIT's, its
+    mixer the only addition (FedALT Sec. 4); a FedLEASE client trains its cluster's expert, FedIT's
+    LoRA at the experts' rank, and its router."""
+    from comix.engines.inprocess import ClientModels
+    model, _ = setup
+
+    def sizes(algo, c=0):
+        """{(role, trained by the local optimiser): parameters} of client c's model."""
+        m = ClientModels(model, algo).for_client(c)
+        fresh_adapters(m, 0)
+        trained = {n for n, _ in algo.train_params(m)}
+        out = {}
+        for n, p in m.named_parameters():
+            if param_role(n) != "base":
+                key = (param_role(n), n in trained)
+                out[key] = out.get(key, 0) + p.numel()
+        return out
+    lora = sizes(_algo("fedit"))[("attention_lora", True)]
+    assert sizes(_algo("fedit")) == {("attention_lora", True): lora} and lora > 0
+    flora = sizes(_algo("flora"))
+    assert {k: v for k, v in flora.items() if k[1]} == {("attention_lora", True): lora}  # the merged update: frozen
+    dpa = sizes(_algo("feddpa-t"))
+    assert dpa[("attention_lora", True)] == dpa[("personal_lora", True)] == lora
+    alt = sizes(_algo("fedalt"))
+    assert alt[("personal_lora", True)] == lora and alt[("attention_lora", False)] == lora  # own trains, RoW frozen
+    assert {k for k in alt if k[1]} == {("personal_lora", True), ("mixer", True)}
+    for r in (4, 8):
+        lease = sizes(_algo("fedlease", rounds=3, warmup=1, r=r))
+        fedit_r = sizes(make_algorithm("fedit", LoRAConfig(r=r), _train(), 3))[("attention_lora", True)]
+        assert lease[("lease_expert", True)] == fedit_r and ("lease_router", True) in lease
