@@ -202,7 +202,7 @@ def test_every_dp_capable_method_averages_through_the_noisy_aggregate():
     from comix.algorithms import REGISTRY
 
     capable = [m for m, (cls, _) in REGISTRY.items() if cls.dp_refusal() is None]
-    assert {"fedavg", "fedit", "comigs-1g1s", "fedamole", "fdlora-fedamole", "ffa-lora"} <= set(capable)
+    assert {"fedavg", "fedit", "comigs-1g1s", "fedamole", "fdlora-fedamole", "ffa-lora", "fedalt"} <= set(capable)
     for m in ("fedavg", "fedit", "comigs-1g1s", "ffa-lora", "fedsa-lora", "fdlora-comigs", "fdlora-fedamole"):
         algo = make_algorithm(m, LoRAConfig(r=2), TrainConfig(rounds=2), 2)
         calls = []

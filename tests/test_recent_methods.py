@@ -465,3 +465,36 @@ def test_the_recent_methods_train_loras_of_fedit_s_size_as_their_authors_compare
         lease = sizes(_algo("fedlease", rounds=3, warmup=1, r=r))
         fedit_r = sizes(make_algorithm("fedit", LoRAConfig(r=r), _train(), 3))[("attention_lora", True)]
         assert lease[("lease_expert", True)] == fedit_r and ("lease_router", True) in lease
+
+
+def test_fedalt_under_dp_releases_one_noised_sum_and_each_rest_of_world_is_it_minus_the_own_upload(setup):
+    """Client-level DP for FedALT: one Gaussian noise a round on the sum of the uploads (the one
+    release the accountant counts), each client's rest-of-world that noised sum minus its own
+    upload over the others' count; a per-client noise (n releases) or a noise-free payload fails."""
+    from comix.privacy import GaussianSumNoise, clip_upload
+    model, users = setup
+    algo = _algo("fedalt", n=3)
+    clients = {c: _client(algo, model, users, c) for c in range(3)}
+    uploads = _round(algo, clients, {})
+    # on the device the whole upload is clipped (no payload tensor shares its names): the sum's sensitivity
+    clipped, norm = clip_upload(uploads[0], {}, 1e-3)
+    assert norm > 1e-3 and sum(float(t.pow(2).sum()) for t in clipped.values()) ** 0.5 == pytest.approx(1e-3, rel=1e-4)
+    calls = []
+
+    def noise(t):
+        calls.append(t.shape)
+        return GaussianSumNoise(0.5, seed=3, rnd=1)(t)
+    algo.aggregation_noise = noise
+    _, noisy = algo.server_round(None, uploads)
+    names = sorted(uploads[0])
+    assert len(calls) == len(names)  # one draw per tensor of the sum, not one per client
+    released = {c: {n: noisy[c][n.replace(".lora_local.", ".lora.")] * 2 + uploads[c][n] for n in names} for c in range(3)}
+    plain = {n: sum(uploads[c][n] for c in range(3)) for n in names}
+    for n in names:
+        assert torch.allclose(released[0][n], released[1][n], atol=1e-5) and torch.allclose(released[1][n], released[2][n], atol=1e-5)
+        assert (released[0][n] - plain[n]).std() == pytest.approx(0.5, rel=0.2)
+    algo.aggregation_noise = None
+    _, clean = algo.server_round(None, uploads)
+    for n in names:  # without noise: exactly the others' mean
+        row = n.replace(".lora_local.", ".lora.")
+        assert torch.allclose(clean[0][row], (uploads[1][n] + uploads[2][n]) / 2, atol=1e-6)

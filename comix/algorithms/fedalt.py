@@ -15,6 +15,9 @@ What differs from FedIT (one LoRA on q and v, PEFT's alpha / r):
     uniformly weighted. A client whom no other client's reply reaches keeps its LoRA 0.
   * Round 1 starts from each client's own fresh LoRAs (B = 0, so LoRA 0 adds nothing until the
     first aggregation), as the authors' clients each build their model.
+  * Client-level DP (comix's, not the paper's): each upload clipped whole on the device, one
+    Gaussian noise on the round's sum of uploads, every rest-of-world that noised sum minus the
+    receiver's own upload (``server_round``).
   * Scored: each client after it loads its new LoRA 0 (main.py evaluates after the aggregation,
     ``client.load_params(aggregated_params[client_id])``) with its own LoRA 1 and mixer.
 Defaults (config.py, client.py, main.py): r 8, alpha 32 (scaling alpha / r = 4), dropout 0.05, q
@@ -23,9 +26,10 @@ and v; AdamW at 3e-4 with weight decay 0.05 and transformers' linear decay to 0,
 """
 from __future__ import annotations
 
+import torch
+
 from ..models import AdapterConfig, LoRAConfig, param_role
 from .base import Algorithm, Tensors
-from .training import average
 
 FEDALT_OPTIMIZER = dict(lr=3e-4, schedule="round_linear", weight_decay=0.05, betas=[0.9, 0.999], optimizer_state="round")
 
@@ -34,8 +38,9 @@ class FedALT(Algorithm):
     name = "fedalt"
     section = "fedalt"
     lora_modules = 1
-    dp_refusal_reason = "each client's rest-of-world LoRA is its own mean of the others' uploads, not the one " \
-                        "mean DP-FedAvg's noisy sum protects"
+    # client-level DP (not in the paper): one noised sum of the uploads a round, each client's
+    # rest-of-world that sum minus its own upload (server_round): the only release is the sum
+    dp_aggregate = True
     train_defaults = FEDALT_OPTIMIZER
     train_defaults_source = "jmbian/FedALT client.py (AdamW 3e-4, decay 0.05, a Trainer per round: linear decay)"
 
@@ -66,10 +71,26 @@ class FedALT(Algorithm):
         return None, {c: {} for c in range(self.n_clients)}
 
     def server_round(self, server_state, uploads: dict[int, Tensors]):
+        """Client c's rest-of-world: the mean of the others' LoRA 1, computed as (sum of every
+        upload - c's own) / (uploads - 1). Under DP the sum is noised once (its tensors in sorted
+        name order, as ``average`` draws them) and every payload is that one release minus the
+        receiver's own upload: post-processing, so a round costs one Gaussian mechanism of
+        sensitivity ``privacy.clip`` (each upload clipped whole on the device), as DP-FedAvg's
+        mean does. One sum for n payloads is also what lets this server scale to many clients."""
+        live = {j: u for j, u in uploads.items() if u}
+        if not live:
+            return server_state, {c: {} for c in range(self.n_clients)}
+        names = sorted({n for u in live.values() for n in u})
+        total = {n: torch.stack([u[n].float() for u in live.values()]).sum(0) for n in names}
+        if self.aggregation_noise is not None:
+            total = {n: self.aggregation_noise(total[n]) for n in names}
         payloads = {}
         for c in range(self.n_clients):
-            others = {j: u for j, u in uploads.items() if j != c and u}
-            payloads[c] = {row_world_name(n): t for n, t in average(others).items()} if others else {}
+            own = live.get(c, {})
+            others = len(live) - (c in live)
+            dtype = next(u[n].dtype for u in live.values() for n in u)
+            payloads[c] = {row_world_name(n): ((total[n] - own[n].float() if n in own else total[n]) / others).to(dtype)
+                           for n in names} if others else {}
         return server_state, payloads
 
     # -- client ----------------------------------------------------------------------------------
