@@ -121,3 +121,16 @@ def plan(fleet: Fleet, needs: list[dict[str, float]], quant: str | list[str], me
                              f"({need[fits[0]]:.0f} MB), quant=auto picks per device")
         out.append(fits[0] if want == "auto" else want)
     return tuple(out)
+
+
+def plan_capacity(fleet: Fleet, needs: dict[int, list[dict[str, float]]], quant: str | list[str],
+                  method: str) -> list[int]:
+    """Each client's capacity (CoMiGS-1GxS's experts, HetLoRA's or FLoRA's rank): ``needs[v][c]``
+    is what client c needs to train at value v with the base at each precision. The device keeps
+    the precision ``plan`` gives it at the smallest value (quantise only as far as memory forces),
+    then takes the largest value whose training fits its budget at that precision."""
+    values = sorted(needs)
+    quants = plan(fleet, needs[values[0]], quant, method)  # one line for a device nothing fits
+    n = len(quants)
+    return [max(v for v in values if needs[v][c][q] <= fleet.profile_of(c, n).memory_mb)
+            for c, q in enumerate(quants)]

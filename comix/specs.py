@@ -24,6 +24,31 @@ def split_spec(spec: str) -> tuple[str, list[str]]:
     return name.strip(), [i for i in split_outside_brackets(opts) if i]
 
 
+def sized_option(spec: str) -> str | None:
+    """The option ``spec`` leaves to the fleet (``experts=auto``, ``ranks=auto``), or None; one
+    line if the method has no such option or its variant fixes it."""
+    from .algorithms import REGISTRY, section_of
+    name, items = split_spec(spec)
+    auto = [i.split("=", 1)[0].split(".")[-1] for i in items if i.replace(" ", "").endswith("=auto")]
+    if not auto:
+        return None
+    section_of(name)
+    cls, fixed = REGISTRY[name]
+    if cls.capacity is None or auto != [cls.capacity[0]] or cls.capacity[0] in fixed:
+        what = f"{cls.capacity[0]}=auto" if cls.capacity and cls.capacity[0] not in fixed else "nothing"
+        raise ConfigError(f"method {spec!r}: {name} can size {what} from the devices' budgets "
+                          f"(per-client options a fleet sizes: comigs-1gxs experts, hetlora / flexlora / flora ranks)")
+    return auto[0]
+
+
+def with_option(spec: str, option: str, value) -> str:
+    """``spec`` with ``option`` set to ``value`` (a list is written as ``[a,b,...]``)."""
+    name, items = split_spec(spec)
+    text = f"[{','.join(map(str, value))}]" if isinstance(value, (list, tuple)) else str(value)
+    items = [f"{option}={text}" if i.split("=", 1)[0].split(".")[-1] == option else i for i in items]
+    return f"{name}:{','.join(items)}"
+
+
 def spec_config(cfg: RunConfig, spec: str) -> RunConfig:
     """A copy of ``cfg`` with the spec's options applied."""
     from .algorithms import section_of

@@ -141,3 +141,47 @@ def test_the_built_in_fleets_load_by_name_and_say_where_each_figure_comes_from(t
     assert len({p.tokens_per_s for p in mixed.profiles}) == 2
     assert main(["run", *COMMON, "fleet=tablets", f"run_dir={tmp_path / 'run'}"]) == 2
     assert "fleet tablets: no such file (built-in fleets: edge-boards, mixed, phones)" in capsys.readouterr().err
+
+
+def test_the_capacity_plan_gives_each_device_the_most_experts_or_rank_its_budget_holds_at_its_precision():
+    from comix.fleet import plan_capacity
+    fleet = Fleet([DeviceProfile("small", 0.5, 1000, 1), DeviceProfile("big", 0.5, 4000, 1)])
+
+    def need(base):  # each value adds 200 MB of trainable state and activations
+        return {"none": base, "int8": base - 300, "nf4": base - 400}
+    needs = {v: [need(800 + 200 * i)] * 4 for i, v in enumerate((2, 3, 4, 6, 8))}
+    assert plan_capacity(fleet, needs, "none", "m") == [3, 3, 8, 8]
+    # quant=auto: the small devices keep full precision (it fits 2 experts), so 3; never int8 for 4
+    assert plan_capacity(fleet, needs, "auto", "m") == [3, 3, 8, 8]
+    assert plan_capacity(fleet, needs, "nf4", "m") == [6, 6, 8, 8]  # a precision given: its room used
+    tight = {v: [need(1100 + 200 * i)] * 4 for i, v in enumerate((2, 3, 4))}  # 2 experts need int8 on small
+    assert plan_capacity(fleet, tight, "auto", "m") == [3, 3, 4, 4]  # int8 then, and 3 fit at int8
+    with pytest.raises(ValueError, match="nothing fits device 0"):
+        plan_capacity(fleet, {2: [need(1500)] * 4}, "auto", "m")
+
+
+def test_experts_and_ranks_auto_are_sized_per_device_and_written_into_the_run_s_config(tmp_path, capsys):
+    import yaml
+    from comix.config import load_config
+    from comix.data import load_corpus, make_user_data
+    from comix.engines.device import training_memory
+    from comix.models import load_base_model
+    from comix.specs import build_algorithm
+    common = [*COMMON, "train.rounds=1", "train.local_steps=1"]
+    cfg = load_config(None, common)
+    model, tok = load_base_model("tiny-llama")
+    users = make_user_data(load_corpus(cfg.corpus), tok, cfg.data)
+    need = {v: training_memory(model, build_algorithm(cfg, f"comigs-1gxs:experts=[{v},{v},{v},{v}]", 4), users[0])["none"]
+            for v in (3, 4)}
+    fleet = _fleet_file(tmp_path, f"profiles:\n  - {{name: small, share: 0.5, memory_mb: {(need[3] + need[4]) / 2}, "
+                                  "tokens_per_s: 1}\n  - {name: big, share: 0.5, memory_mb: 100000, tokens_per_s: 1}\n")
+    run = tmp_path / "run"
+    assert main(["run", *common, "methods=['comigs-1gxs:experts=auto']", f"fleet={fleet}", f"run_dir={run}"]) == 0
+    assert yaml.safe_load((run / "config.yaml").read_text())["methods"] == ["comigs-1gxs:experts=[3,3,8,8]"]
+    rows = [json.loads(x) for x in (run / "comigs-1gxs__experts=_3_3_8_8" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["memory_mb"] <= (need[3] + need[4]) / 2 for r in rows if r["user"] in ("de", "fr") and "memory_mb" in r)
+    for bad, words in ((["methods=['comigs-1gxs:experts=auto']"], "experts=auto sizes each device from a fleet"),
+                       (["methods=['comigs-1g1s:experts=auto']", f"fleet={fleet}"], "comigs-1g1s can size nothing"),
+                       (["methods=['fedavg:ranks=auto']", f"fleet={fleet}"], "fedavg can size nothing")):
+        assert main(["run", *common, *bad, f"run_dir={tmp_path / 'bad'}"]) == 2
+        assert words in capsys.readouterr().err and not (tmp_path / "bad").exists()

@@ -83,6 +83,9 @@ class Algorithm:
     # defaults (CoMiGS App. B.1, TrainConfig) unless the user's recipe or command line sets them
     # (specs.spec_config); ``train_defaults_source`` says where they come from.
     train_defaults: dict = {}
+    # The per-client option a fleet may size from each device's memory budget (``<option>=auto``:
+    # comix/fleet.py ``plan_capacity``) and the values it tries, smallest first; None: no such option.
+    capacity: tuple[str, tuple[int, ...]] | None = None
     train_defaults_source = "CoMiGS App. B.1 (AdamW 2e-3, decay 0.01, betas (0.9, 0.95), one-cycle cosine), " \
                             "comix's TrainConfig defaults"
 

@@ -29,6 +29,8 @@ _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
 class CoMiGS(Algorithm):
     name = "comigs"
     section = "comigs"
+    # CoMiGS-1GxS (Sec. 3.4, Table 2): each user as many experts as its resources allow, 1G + (n-1)S
+    capacity = ("experts", (2, 3, 4, 6, 8))
 
     def __init__(self, lora: LoRAConfig, train: TrainConfig, n_clients: int,
                  experts: int | list[int] = 2, generalists: int = 1, top_k: int = 2,

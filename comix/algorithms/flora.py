@@ -43,6 +43,8 @@ class FLoRA(Algorithm):
     train_defaults = FLORA_OPTIMIZER
     train_defaults_source = "ATP-1010/FederatedLLM main.py (lr 3e-4; transformers' Trainer per round: AdamW, " \
                             "no decay, linear schedule)"
+    # heterogeneous ranks, the authors' README case (64, 32, 16, 16, 8, 8, 4, 4, 4, 4)
+    capacity = ("ranks", (4, 8, 16, 32, 64))
 
     def __init__(self, lora, train, n_clients, ranks: list[int] | None = None, scaling: float = 2.0,
                  dropout: float = 0.05, targets: list[str] | None = None):

@@ -35,6 +35,8 @@ def truncate(tensors: Tensors, rank: int) -> Tensors:
 
 class HeteroRank(Algorithm):
     lora_modules = 1
+    # HetLoRA / FlexLoRA: each client the MLP LoRA rank its resources allow (CoMiGS Table 2: 16, 32)
+    capacity = ("ranks", (8, 16, 32, 64))
 
     def __init__(self, lora, train, n_clients, ranks: list[int] | None = None):
         super().__init__(lora, train, n_clients)
