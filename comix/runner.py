@@ -47,8 +47,10 @@ def load_inputs(cfg: RunConfig):
             problems.append("privacy.secure_aggregation runs on Flower (engine=flower-sim or a deployment): the "
                             "in-process engine holds every upload in one process, there is nothing to hide them from")
         if cfg.quant != "none" and (algo.needs_server_data or algo.device_spec(0) is not None):
-            problems.append(f"quant={cfg.quant} with {spec}: its devices' models, student and global MoE are built "
-                            "from full-precision copies of the base (not quantised yet); use quant=none")
+            problems.append(f"quant={cfg.quant} with {spec}: its devices train every weight of their own model "
+                            "(full fine-tuning, DeepFusion Fig. 7) and its server distils into full-precision "
+                            "students, so no frozen base is left to quantise (QLoRA's setting: adapters over a "
+                            "frozen base); use quant=none")
         if algo.needs_server_data and not cfg.data.public_frac:
             problems.append(f"{spec} needs the server's own public and test data: set data.public_frac (e.g. 0.1)")
         problems += [f"{p} (model {cfg.model})" for p in algo.check_model(shape) if f"{p} (model" not in problems]
