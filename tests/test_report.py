@@ -129,3 +129,20 @@ def test_a_dp_compare_s_report_shows_utility_against_epsilon(run):
         "| fedavg:privacy.clip=0.05,privacy.noise_multiplier=1 | 0.05 | 1 |" in md
     assert "epsilon |" in md.split("Per user")[0]  # the results table has the epsilon column
     assert page.overlaps == {}
+
+
+def test_the_gates_figure_takes_a_client_whose_experts_grew_between_rounds(tmp_path):
+    """RSEA may give a client fewer experts in every module in an early round than in the last
+    one (FedAMoLE): those rounds have no value for the later slots, drawn blank, not a crash."""
+    import json
+
+    from comix.reporting.page import Page
+    from comix.reporting.sections import gates_section
+    d = tmp_path / "fedamole"
+    d.mkdir()
+    rows = [{"round": 1, "user": "a", "gates": [[0.6, 0.4], [0.5, 0.5]]},
+            {"round": 2, "user": "a", "gates": [[0.5, 0.3, 0.2], [0.4, 0.4, 0.2]]}]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    page = Page("t")
+    gates_section(page, {"fedamole": {42: d}})
+    assert any(b[0] == "fig" for b in page.blocks)

@@ -141,6 +141,10 @@ def _per_user_figure(data, users, rounds, label):
     return fig
 
 
+def _mean_or_nan(xs: list[float]) -> float:
+    return statistics.fmean(xs) if xs else float("nan")
+
+
 def gates_section(page: Page, runs: dict[str, dict[int, Path]]) -> None:
     plt = plt_()
     drawn = False
@@ -159,11 +163,12 @@ def gates_section(page: Page, runs: dict[str, dict[int, Path]]) -> None:
         for j, user in enumerate(users):
             mine = sorted((r["round"], r["gates"]) for r in rows if r["user"] == user)
             # FedAMoLE gives each module its own number of expert slots (eq. 21's K_c differs by
-            # module): a slot's line averages the layers that have it, missing cells stay blank
+            # module): a slot's line averages the layers that have it, missing cells stay blank; a
+            # round in which no module had the slot yet (RSEA gave the client fewer experts) too
             n = max(len(layer) for layer in mine[-1][1])
             for e in range(n):
                 axes[0, j].plot([rnd for rnd, _ in mine],
-                                [statistics.fmean(layer[e] for layer in g if len(layer) > e) for _, g in mine],
+                                [_mean_or_nan([layer[e] for layer in g if len(layer) > e]) for _, g in mine],
                                 marker="o", ms=3, color=COLORS[e % len(COLORS)], label=f"expert {e}")
             axes[0, j].set_title(user, fontsize=9)
             axes[0, j].set_ylim(0, 1)
