@@ -207,6 +207,27 @@ def deepfusion_configs() -> None:
                       f"another source; {scale} scale (scripts/make_configs.py).\n"
                       f"Run: comix compare configs/deepfusion/{scale}-{case}-hetero-n{n}.yaml", hetero)
                 if n == min(s["clients"]):
+                    # DeepFusion's central idea put to the test (docs/deepfusion.md): teachers trained
+                    # 200 steps (long enough to know their domains better than the student), VAA's
+                    # weight alpha swept and chosen on the server's own held-out validation
+                    # documents (never test), the untrained-teacher control, FedKMT and CE-only as
+                    # the paper's baselines, 3 seeds for paired intervals; long: run it with
+                    # --resume across sessions
+                    sweep = copy.deepcopy(hetero)
+                    sweep["methods"] = ["deepfusion:alpha=1.0", "deepfusion:alpha=10.0", "deepfusion:alpha=30.0",
+                                        "deepfusion:alpha=100.0", "fedkmt", "deepfusion-ce",
+                                        "deepfusion:train.local_steps=0"]
+                    del sweep["fedjets"]
+                    sweep["seeds"] = [42, 62, 82]
+                    sweep["train"]["local_steps"] = 200
+                    sweep["data"]["server_valid_docs"] = 20
+                    sweep["deepfusion"]["kd_steps"] = 100
+                    write(ROOT / "deepfusion" / f"{scale}-{case}-hetero-n{n}-alpha-sweep.yaml",
+                          f"DeepFusion, {what}, N = {n} devices narrower than the student, trained 200 steps; "
+                          f"VAA's alpha swept and chosen on the server's validation documents, the untrained-"
+                          f"teacher control, FedKMT and CE-only; 3 seeds; {scale} scale (scripts/make_configs.py).\n"
+                          f"Run: comix compare configs/deepfusion/{scale}-{case}-hetero-n{n}-alpha-sweep.yaml "
+                          f"run_dir=runs/df-sweep (then --resume runs/df-sweep)", sweep)
                     # a second family with its own tokenizer (Gemma-3-270M, vocabulary 262k) beside a
                     # pruned SmolLM2: distillation across tokenizers (models/token_align.py). N = 4
                     # devices (3 Gemma, 1 SmolLM2 by the assignment seed) and K = 2 to fit the CPU

@@ -766,3 +766,44 @@ def test_gradient_shares_are_each_kd_term_s_gradient_norm_on_the_student():
     gradient_shares(parts, [w], log, step=7)
     assert log["step"] == [7] and log["ce"] == [[5.0, 0.25]] and log["fm"] == [[15.0, 0.75]] and log["kl"] == [[0.0, 0.0]]
     assert log["cos_fm_rest"] == [pytest.approx(-1.0)]
+
+
+def test_the_server_s_validation_documents_are_its_own_held_out_public_ones_and_score_as_valid(tmp_path):
+    """data.server_valid_docs: per domain the last public documents, never distilled on, disjoint
+    from the test split and from every device's data; the global model is scored on them as
+    valid_* beside test_* (what DeepFusion's own settings are chosen on, never test)."""
+    from types import SimpleNamespace
+
+    from comix.algorithms.global_moe import score_on_server
+    from comix.algorithms.training import TrainConfig
+    from comix.data import load_corpus, make_user_data
+    from comix.data.splits import SplitConfig, make_server_data
+    from comix.models import load_base_model
+    from comix.runtime import Runtime
+    data = _domains(tmp_path / "data")
+    model, tok = load_base_model("tiny-llama")
+    corpus = load_corpus(str(data))
+    plain = make_server_data(corpus, tok, SplitConfig(public_frac=0.34))
+    cfg = SplitConfig(public_frac=0.34, server_valid_docs=1)
+    server = make_server_data(corpus, tok, cfg)
+    held = {n: server.valid[n] for n in corpus}
+    for n in corpus:
+        assert torch.equal(torch.cat([server.public[n], held[n]]), plain.public[n])  # cut from the public share
+    devices = make_user_data(corpus, tok, cfg)
+    streams = [t for u in devices for t in (u.train, u.valid, u.test)] + list(server.test.values())
+    for n, v in held.items():
+        window = v[12:132].tolist()  # inside a document: no device and no test split holds it
+        assert not any(_contains(s.tolist(), window) for s in streams)
+        assert _contains(plain.public[n].tolist(), window)
+    assert set(server.valid_answers) == {"fin"}  # QA documents give question / answer pairs
+    ctx = SimpleNamespace(data=server, base=model, runtime=Runtime())
+    row = score_on_server(model, ctx, TrainConfig(seq_len=16, eval_batch_size=4, max_new_tokens=2))
+    assert {"valid_ppl", "test_ppl"} <= set(row["med"]) and "valid_answer_ppl" in row["fin"]
+    assert "valid_ppl" not in score_on_server(model, SimpleNamespace(data=plain, base=model, runtime=Runtime()),
+                                              TrainConfig(seq_len=16, eval_batch_size=4, max_new_tokens=2))["med"]
+    with pytest.raises(ValueError, match="set data.public_frac too"):
+        SplitConfig(server_valid_docs=2)
+
+
+def _contains(seq: list[int], window: list[int]) -> bool:
+    return any(seq[i:i + len(window)] == window for i in range(len(seq) - len(window) + 1))

@@ -71,14 +71,20 @@ def score_on_server(model: nn.Module, server: ServerContext, train) -> dict[str,
     log (``answer_ppl``: the answers' tokens given their questions, as the paper's QA perplexities
     score; the headline) and the accuracy of generated answers against the references (%, Table
     II: ``answer_acc``); on every domain the stream perplexity of the whole test text, questions
-    included (``ppl``, beside it), and the teacher-forced next-token accuracy (``token_acc``)."""
+    included (``ppl``, beside it), and the teacher-forced next-token accuracy (``token_acc``);
+    with the server's validation split (``data.server_valid_docs``) the same as ``valid_*``."""
     if server is None or server.data is None:
         raise ValueError("the global model is scored on the server's test data: set data.public_frac > 0")
     out = {}
-    for domain, tokens in server.data.test.items():
+    for domain, test_tokens in server.data.test.items():
         row = {}
-        pairs = server.data.answers.get(domain)
-        for prefix, m in (("test", model), ("test_base", server.base)):
+        # the server's validation split (data.server_valid_docs), global model only: what its own
+        # settings are chosen on, never the test split
+        scored = [("test", model, test_tokens, server.data.answers.get(domain)),
+                  ("test_base", server.base, test_tokens, server.data.answers.get(domain))]
+        if domain in server.data.valid:
+            scored.append(("valid", model, server.data.valid[domain], server.data.valid_answers.get(domain)))
+        for prefix, m, tokens, pairs in scored:
             with server.runtime.autocast():
                 nll, n, correct = split_token_stats(m, tokens, train.seq_len, train.eval_batch_size)
                 if pairs:  # Table II: generated answers against the references; Table I's
@@ -92,7 +98,7 @@ def score_on_server(model: nn.Module, server: ServerContext, train) -> dict[str,
                         f"{prefix}_token_acc": 100.0 * correct / n})
         if getattr(model.config, "num_local_experts", 0):
             with server.runtime.autocast():
-                row["expert_load"] = expert_load(model, tokens, train.seq_len, train.eval_batch_size)
+                row["expert_load"] = expert_load(model, test_tokens, train.seq_len, train.eval_batch_size)
         out[domain] = row
     return out
 

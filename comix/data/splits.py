@@ -61,6 +61,10 @@ class SplitConfig:
     # DeepFusion Table II: the server's test questions ("...\nAnswer: ...") whose generated answers
     # are scored token by token against the reference, at most this many per domain
     answer_examples: int = 50
+    # the server's validation documents per domain, held out from its in-domain public share and
+    # never distilled on: what a setting of the server's own (DeepFusion's alpha) is chosen on,
+    # never the test split (scored as valid_* beside test_*); 0: none
+    server_valid_docs: int = 0
 
     def __post_init__(self):
         if self.partition not in ("task", "dirichlet"):
@@ -69,6 +73,9 @@ class SplitConfig:
             raise ValueError("data.max_len must be >= 8, data.valid_examples and data.test_examples >= 1")
         if self.answer_examples < 0:
             raise ValueError(f"data.answer_examples must be >= 0, got {self.answer_examples}")
+        if self.server_valid_docs < 0 or self.server_valid_docs and not self.public_frac:
+            raise ValueError("data.server_valid_docs (>= 0) is held out from the server's public share: "
+                             "set data.public_frac too")
         for key, ok, want in (("clients", self.clients >= 0, ">= 0"), ("alpha", self.alpha > 0, "> 0"),
                               ("client_train_tokens", self.client_train_tokens is None or self.client_train_tokens >= 2,
                                ">= 2")):
@@ -167,6 +174,9 @@ class ServerData:
     answers: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
     pad_id: int = 0
     eos_id: int | None = None
+    # data.server_valid_docs: per domain the held-out validation stream and its question pairs
+    valid: dict[str, torch.Tensor] = field(default_factory=dict)
+    valid_answers: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
 
 
 def answer_pairs(docs: list[str], tokenizer, limit: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -194,9 +204,18 @@ def make_server_data(corpus: Corpus, tokenizer, cfg: SplitConfig, public_corpus:
     if hasattr(corpus, "examples"):
         raise ValueError("data.public_frac: server data is built from token corpora (e.g. topics), not "
                          "instruction sets")
-    public, test, answers = {}, {}, {}
+    public, test, answers, valid, valid_answers = {}, {}, {}, {}, {}
     for n in cfg.users or list(corpus):
         _, _, te, pub = _split_docs(corpus[n], cfg, n)
+        if cfg.server_valid_docs:
+            if len(pub) <= cfg.server_valid_docs:
+                raise ValueError(f"data.server_valid_docs = {cfg.server_valid_docs}: category {n!r} has {len(pub)} "
+                                 "public documents; raise data.public_frac or lower it")
+            pub, held = pub[:-cfg.server_valid_docs], pub[-cfg.server_valid_docs:]
+            valid[n] = tokenize_docs(held, tokenizer)
+            pairs = answer_pairs(held, tokenizer, cfg.answer_examples)
+            if pairs:
+                valid_answers[n] = pairs
         public[n] = tokenize_docs(pub, tokenizer)
         test[n] = tokenize_docs(te, tokenizer)[:cfg.test_tokens] if cfg.test_tokens else tokenize_docs(te, tokenizer)
         pairs = answer_pairs(te, tokenizer, cfg.answer_examples)
@@ -205,7 +224,8 @@ def make_server_data(corpus: Corpus, tokenizer, cfg: SplitConfig, public_corpus:
     if public_corpus is not None:  # (its categories were checked before the model loaded: runner.py)
         public = {f"public:{n}": tokenize_docs(public_corpus[n], tokenizer) for n in cfg.public_categories or public_corpus}
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return ServerData(public, test, answers, pad_id=pad or 0, eos_id=tokenizer.eos_token_id)
+    return ServerData(public, test, answers, pad_id=pad or 0, eos_id=tokenizer.eos_token_id, valid=valid,
+                      valid_answers=valid_answers)
 
 
 def make_user_data(corpus: Corpus, tokenizer, cfg: SplitConfig | None = None) -> list[UserData]:
