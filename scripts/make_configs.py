@@ -216,7 +216,7 @@ def deepfusion_configs() -> None:
                     sweep = copy.deepcopy(hetero)
                     sweep["methods"] = ["deepfusion:alpha=1.0", "deepfusion:alpha=10.0", "deepfusion:alpha=30.0",
                                         "deepfusion:alpha=100.0", "fedkmt", "deepfusion-ce",
-                                        "deepfusion:train.local_steps=0"]
+                                        "deepfusion:device_steps=0"]
                     del sweep["fedjets"]
                     sweep["seeds"] = [42, 62, 82]
                     sweep["train"]["local_steps"] = 200

@@ -807,3 +807,25 @@ def test_the_server_s_validation_documents_are_its_own_held_out_public_ones_and_
 
 def _contains(seq: list[int], window: list[int]) -> bool:
     return any(seq[i:i + len(window)] == window for i in range(len(seq) - len(window) + 1))
+
+
+def test_device_steps_0_is_the_untrained_teacher_control_devices_send_their_starting_weights(tmp_path, monkeypatch):
+    """deepfusion.device_steps=0: every device uploads exactly the weights it started from (the
+    server distils teachers that learned nothing); with steps, the uploads differ from them."""
+    from comix.algorithms.deepfusion import DeepFusion
+    from comix.cli import main
+    same = {}
+    real = DeepFusion.client_round
+
+    def spy(self, ctx, state, payload):
+        state, upload, metrics = real(self, ctx, state, payload)
+        start = self._initial[self.device_spec(ctx.client)]
+        same.setdefault(self.device_steps, []).append(
+            all(torch.equal(upload[f"weights.{n}"], t) for n, t in start.items() if f"weights.{n}" in upload))
+        assert math.isfinite(metrics["train_loss"])
+        return state, upload, metrics
+    monkeypatch.setattr(DeepFusion, "client_round", spy)
+    data = _domains(tmp_path / "data")
+    assert main(["compare", f"corpus={data}", f"run_dir={tmp_path / 'run'}", *DF, "deepfusion.kd_steps=1",
+                 "deepfusion.tune_steps=1", "--methods", "deepfusion:device_steps=0", "deepfusion", "--seeds", "1"]) == 0
+    assert same[0] == [True] * 5 and same[2] == [False] * 5

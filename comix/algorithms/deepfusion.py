@@ -71,8 +71,14 @@ class DeepFusion(Algorithm):
                  kd_lr: float = 1e-4, feature_lr: float = 1e-3, kd_batch: int = 4, tune_steps: int = 20,
                  tune_lr: float = 1e-4,
                  aux_loss_coef: float = 0.001, device_cache: bool = False, ofa_eps: float = 1.0,
-                 grad_log_every: int = 5, score_devices: bool = True):
+                 grad_log_every: int = 5, score_devices: bool = True, device_steps: int | None = None):
         super().__init__(lora, train, n_clients)
+        # the devices' local training steps (None: train.local_steps); 0 is the untrained-teacher
+        # control: the server distils devices that learned nothing, which separates knowledge
+        # transfer from a pull towards the starting weights
+        if device_steps is not None and device_steps < 0:
+            raise ValueError(f"deepfusion.device_steps must be >= 0, got {device_steps}")
+        self.device_steps = train.local_steps if device_steps is None else device_steps
         # every grad_log_every-th KD step (0: never) logs each term's gradient norm on the student
         # and its share: how much the feature term steers the student (three extra backward passes)
         self.grad_log_every, self.score_devices = grad_log_every, score_devices
@@ -170,14 +176,19 @@ class DeepFusion(Algorithm):
         opt = make_optimizer(params, ClientState(adapters={}), "model", self.train)  # fresh: one round
         scaler = ctx.runtime.grad_scaler()
         losses = []
-        for step in range(self.train.local_steps):
+        for step in range(self.device_steps):
             for g in opt.param_groups:
-                g["lr"] = expert_lr(step, self.train.local_steps, self.train)
+                g["lr"] = expert_lr(step, self.device_steps, self.train)
             x, y = self.train_batch(ctx, gen) if own_tokens is None else \
                 sample_batch(own_tokens, self.train.batch_size, self.train.seq_len, gen)
             loss = lm_loss(model, x, y)
             step_on(loss, [p for _, p in params], opt, self.train.grad_clip, scaler)
             losses.append(loss.detach())
+        if not losses:  # the untrained control: the loss it would start from, on one of its batches
+            with torch.no_grad():
+                x, y = self.train_batch(ctx, gen) if own_tokens is None else \
+                    sample_batch(own_tokens, self.train.batch_size, self.train.seq_len, gen)
+                losses.append(lm_loss(model, x, y))
         state.rng = gen.get_state()
         texts = self.data_texts(ctx.data.train, tokenizer_at(self._tokenizer_dir), seed=ctx.client)
         embedding = self.encoder(ctx.runtime).data_embedding(texts, self.embed_examples, seed=ctx.client)
@@ -207,7 +218,7 @@ class DeepFusion(Algorithm):
             self._initial_digest[spec] = h.hexdigest()
         h = hashlib.sha256(b"deepfusion-device-v1")
         rt = ctx.runtime
-        settings = {"spec": spec, "client": ctx.client, "train": dataclasses.asdict(self.train),
+        settings = {"spec": spec, "client": ctx.client, "train": dataclasses.asdict(self.train), "steps": self.device_steps,
                     "embed": [self.encoder_name, self.embed_examples, self.embed_tokens],
                     "tokenizer": str(self._tokenizer_dir), "runtime": [str(rt.device), rt.precision]}
         h.update(json.dumps(settings, sort_keys=True, default=str).encode())
