@@ -11,18 +11,15 @@ makes the docs' table from them.
 """
 from __future__ import annotations
 
-import footprint  # noqa: F401  (prints wall time and peak RSS at exit)
+import footprint  # prints wall time and peak RSS at exit; timed_comix
 
 import argparse
 import datetime
 import json
 import os
 import platform
-import re
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import yaml
@@ -34,14 +31,7 @@ from tables import RESULTS, save  # noqa: E402
 
 def run(config: str, extra: list[str], out: Path) -> dict:
     shutil.rmtree(out, ignore_errors=True)
-    cmd = [sys.executable, "-m", "comix.cli", "run", config, f"run_dir={out}", *extra]
-    t0 = time.perf_counter()
-    proc = subprocess.run(["/usr/bin/time", "-v", *cmd], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
-    if proc.returncode:
-        sys.exit(f"bench/fleet.py: {' '.join(cmd[2:])} failed:\n{proc.stderr[-2000:]}")
-    peak = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr).group(1)) / 1024
-    return {"wall_s": round(time.perf_counter() - t0, 1), "peak_rss_mb": round(peak, 1)}
+    return footprint.timed_comix(["run", config, f"run_dir={out}", *extra], ROOT, f"bench/fleet.py: {config} {extra}")
 
 
 def main(argv=None) -> int:

@@ -35,3 +35,18 @@ def line() -> str:
 
 
 atexit.register(lambda: print(line(), file=sys.stderr, flush=True))
+
+
+def timed_comix(args: list[str], root, what: str) -> dict:
+    """``python -m comix.cli <args>`` in ``root`` under /usr/bin/time -v: {"wall_s", "peak_rss_mb"}
+    of that process alone; exits naming ``what`` with the end of its stderr if it fails."""
+    import os
+    import subprocess
+    cmd = [sys.executable, "-m", "comix.cli", *args]
+    t0 = time.perf_counter()
+    proc = subprocess.run(["/usr/bin/time", "-v", *cmd], cwd=root, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    if proc.returncode:
+        sys.exit(f"{what} failed:\n{proc.stderr[-2000:]}")
+    peak = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr).group(1)) / 1024
+    return {"wall_s": round(time.perf_counter() - t0, 1), "peak_rss_mb": round(peak, 1)}

@@ -11,18 +11,15 @@ in ``quant-main-job/case.json``; ``python bench/tables.py`` makes the README's t
 """
 from __future__ import annotations
 
-import footprint  # noqa: F401  (prints wall time and peak RSS at exit)
+import footprint  # prints wall time and peak RSS at exit; timed_comix
 
 import argparse
 import datetime
 import json
 import os
 import platform
-import re
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,18 +29,11 @@ from tables import RESULTS, save  # noqa: E402
 QUANTS = ("none", "int8", "nf4")
 
 
-def run(quant: str, methods: list[str], extra: list[str], out: Path) -> tuple[float, float]:
-    """(seconds, peak RSS MB) of one main job."""
+def run(quant: str, methods: list[str], extra: list[str], out: Path) -> dict:
+    """{"wall_s", "peak_rss_mb"} of one main job."""
     shutil.rmtree(out, ignore_errors=True)
-    cmd = [sys.executable, "-m", "comix.cli", "run", f"quant={quant}", f"methods=[{','.join(methods)}]",
-           f"run_dir={out}", *extra]
-    t0 = time.perf_counter()
-    proc = subprocess.run(["/usr/bin/time", "-v", *cmd], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
-    if proc.returncode:
-        sys.exit(f"bench/quant.py: quant={quant} failed:\n{proc.stderr[-2000:]}")
-    peak = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr).group(1)) / 1024
-    return time.perf_counter() - t0, peak
+    return footprint.timed_comix(["run", f"quant={quant}", f"methods=[{','.join(methods)}]", f"run_dir={out}", *extra],
+                                 ROOT, f"bench/quant.py: quant={quant}")
 
 
 def main(argv=None) -> int:
@@ -55,8 +45,8 @@ def main(argv=None) -> int:
     run("none", args.methods, [*args.extra, "train.rounds=1"], runs / "quant-warmup")  # caches, untimed
     measures = {}
     for quant in QUANTS:
-        seconds, peak = run(quant, args.methods, args.extra, runs / f"quant-{quant}")
-        measures[quant] = {"wall_s": round(seconds, 1), "peak_rss_mb": round(peak, 1)}
+        measures[quant] = run(quant, args.methods, args.extra, runs / f"quant-{quant}")
+        seconds, peak = measures[quant]["wall_s"], measures[quant]["peak_rss_mb"]
         save(runs / f"quant-{quant}", f"quant-main-job-{quant}", {"kind": "users", "part_of": "quant-main-job"})
         print(f"quant={quant}: {seconds:.0f} s, peak RSS {peak:.0f} MB")
     case = {"kind": "quant", "command": "python bench/quant.py " + " ".join(args.extra),
