@@ -190,7 +190,8 @@ def test_bad_privacy_settings_are_one_line(override, words):
 
 
 @pytest.mark.parametrize("method,words", [("deepfusion", "sample-level DP-SGD"), ("local", "shares nothing"),
-                                          ("hetlora", "not a mean"), ("centralized", "uploads nothing")])
+                                          ("hetlora", "not a mean"), ("centralized", "uploads nothing"),
+                                          ("flora", "stacks the uploads"), ("fedlease", "within clusters")])
 def test_methods_that_cannot_offer_dp_refuse_in_one_line(method, words):
     cfg = load_config(overrides=[f"methods=[{method}]", "privacy.clip=1.0", "privacy.noise_multiplier=1.0"])
     with pytest.raises(ConfigError, match=words):

@@ -43,6 +43,9 @@ class FLoRA(Algorithm):
     train_defaults = FLORA_OPTIMIZER
     train_defaults_source = "ATP-1010/FederatedLLM main.py (lr 3e-4; transformers' Trainer per round: AdamW, " \
                             "no decay, linear schedule)"
+    dp_refusal_reason = ("its server stacks the uploads instead of summing them, so every client's own LoRA reaches "
+                         "every client as it is; a noisy sum would have to be of the dense products B_k A_k, which "
+                         "gives up FLoRA's low-rank payload")
     # heterogeneous ranks, the authors' README case (64, 32, 16, 16, 8, 8, 4, 4, 4, 4)
     capacity = ("ranks", (4, 8, 16, 32, 64))
 
