@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 from .config import RunConfig
-from .specs import build_algorithm, count_users, public_corpus_of, sized_option, spec_config, split_spec, with_option
+from .specs import build_algorithm, count_users, public_corpus_of, sized_option, spec_config, with_option
 
 
 def load_inputs(cfg: RunConfig):
@@ -21,7 +21,6 @@ def load_inputs(cfg: RunConfig):
     from .data import check_seq_len, load_corpus, make_user_data, token_table
     from .data.splits import make_server_data
     from .models import load_base_model
-    from .algorithms import REGISTRY
     from .models.base import check_model_spec, model_config
     from .runtime import resolve
 
@@ -37,11 +36,11 @@ def load_inputs(cfg: RunConfig):
     for spec in cfg.methods:  # every method's options checked before the model loads, all problems at once
         sized = sized_option(spec)
         if sized and not cfg.fleet:
-            problems.append(f"{spec}: {sized}=auto sizes each device from a fleet's memory budgets: give a fleet "
+            problems.append(f"{spec}: {sized[0]}=auto sizes each device from a fleet's memory budgets: give a fleet "
                             "(fleet=<file> or a built-in fleet)")
             continue
         if sized:  # checked at the smallest value the fleet may give
-            spec = with_option(spec, sized, [REGISTRY[split_spec(spec)[0]][0].capacity[1][0]] * count_users(cfg, corpus))
+            spec = with_option(spec, sized[0], [sized[1][0]] * count_users(cfg, corpus))
         algo = build_algorithm(cfg, spec, count_users(cfg, corpus))
         if algo.privacy.secure_aggregation and cfg.engine == "inprocess":
             problems.append("privacy.secure_aggregation runs on Flower (engine=flower-sim or a deployment): the "
@@ -95,15 +94,13 @@ def size_from_budgets(cfg, spec: str, model, users) -> str:
     """``spec`` with its ``<option>=auto`` (Algorithm.capacity) replaced by each device's value:
     one measured training step per candidate value on the full-precision ``model`` gives what each
     client needs, comix/fleet.py ``plan_capacity`` picks."""
-    from .algorithms import REGISTRY
     from .engines.device import training_memory
     from .fleet import load_fleet, plan_capacity
-    option = sized_option(spec)
-    if option is None:
+    sized = sized_option(spec)
+    if sized is None:
         return spec
-    n, measured = len(users), {}
-    needs = {}
-    for v in REGISTRY[split_spec(spec)[0]][0].capacity[1]:
+    (option, values), n, measured, needs = sized, len(users), {}, {}
+    for v in values:
         algo = build_algorithm(cfg, with_option(spec, option, [v] * n), n)
         needs[v] = [training_memory(model, algo, users[c], c, measured) for c in range(n)]
     sized = with_option(spec, option, plan_capacity(load_fleet(cfg.fleet), needs, cfg.quant, spec))

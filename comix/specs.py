@@ -24,9 +24,10 @@ def split_spec(spec: str) -> tuple[str, list[str]]:
     return name.strip(), [i for i in split_outside_brackets(opts) if i]
 
 
-def sized_option(spec: str) -> str | None:
-    """The option ``spec`` leaves to the fleet (``experts=auto``, ``ranks=auto``), or None; one
-    line if the method has no such option or its variant fixes it."""
+def sized_option(spec: str) -> tuple[str, tuple[int, ...]] | None:
+    """(the option ``spec`` leaves to the fleet, ``experts=auto`` / ``ranks=auto``, and the values
+    the fleet may give it: ``Algorithm.capacity``), or None; one line if the method has no such
+    option or its variant fixes it."""
     from .algorithms import REGISTRY, section_of
     name, items = split_spec(spec)
     auto = [i.split("=", 1)[0].split(".")[-1] for i in items if i.replace(" ", "").endswith("=auto")]
@@ -38,7 +39,7 @@ def sized_option(spec: str) -> str | None:
         what = f"{cls.capacity[0]}=auto" if cls.capacity and cls.capacity[0] not in fixed else "nothing"
         raise ConfigError(f"method {spec!r}: {name} can size {what} from the devices' budgets "
                           f"(per-client options a fleet sizes: comigs-1gxs experts, hetlora / flexlora / flora ranks)")
-    return auto[0]
+    return cls.capacity
 
 
 def with_option(spec: str, option: str, value) -> str:

@@ -176,19 +176,19 @@ class DeepFusion(Algorithm):
         opt = make_optimizer(params, ClientState(adapters={}), "model", self.train)  # fresh: one round
         scaler = ctx.runtime.grad_scaler()
         losses = []
+
+        def batch():
+            return self.train_batch(ctx, gen) if own_tokens is None else \
+                sample_batch(own_tokens, self.train.batch_size, self.train.seq_len, gen)
         for step in range(self.device_steps):
             for g in opt.param_groups:
                 g["lr"] = expert_lr(step, self.device_steps, self.train)
-            x, y = self.train_batch(ctx, gen) if own_tokens is None else \
-                sample_batch(own_tokens, self.train.batch_size, self.train.seq_len, gen)
-            loss = lm_loss(model, x, y)
+            loss = lm_loss(model, *batch())
             step_on(loss, [p for _, p in params], opt, self.train.grad_clip, scaler)
             losses.append(loss.detach())
         if not losses:  # the untrained control: the loss it would start from, on one of its batches
             with torch.no_grad():
-                x, y = self.train_batch(ctx, gen) if own_tokens is None else \
-                    sample_batch(own_tokens, self.train.batch_size, self.train.seq_len, gen)
-                losses.append(lm_loss(model, x, y))
+                losses.append(lm_loss(model, *batch()))
         state.rng = gen.get_state()
         texts = self.data_texts(ctx.data.train, tokenizer_at(self._tokenizer_dir), seed=ctx.client)
         embedding = self.encoder(ctx.runtime).data_embedding(texts, self.embed_examples, seed=ctx.client)
