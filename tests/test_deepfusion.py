@@ -538,17 +538,24 @@ def test_recipes_give_fedjets_devices_the_one_shot_devices_step_budget():
     from comix.config import load_config
     from comix.specs import spec_config, split_spec
     recipes = sorted((Path(__file__).parents[1] / "configs" / "deepfusion").glob("*.yaml"))
-    assert len(recipes) == 13
+    assert len(recipes) == 15
     gemma = [p for p in recipes if "-gemma-" in p.name]
     assert [p.name for p in gemma] == ["cpu-qa-open-gemma-n4.yaml"]
     assert set(load_config(str(gemma[0])).methods) == {"deepfusion", "deepfusion-ce", "fedkmt"}
     # the alpha sweep: the KD methods, alpha chosen on the server's validation documents, trained
     # teachers and the untrained-teacher control, 3 seeds
+    # teachers and the untrained-teacher control, 3 seeds; at the paper's scale (a GPU job) the same
+    # question with a second family (Gemma-3-270M) among the devices
     sweep = [p for p in recipes if p.name.endswith("-alpha-sweep.yaml")]
-    cfg = load_config(str(sweep[0]))
-    assert {split_spec(m)[0] for m in cfg.methods} == {"deepfusion", "deepfusion-ce", "fedkmt"}
-    assert len([m for m in cfg.methods if "alpha=" in m]) >= 3 and "deepfusion:device_steps=0" in cfg.methods
-    assert cfg.data.server_valid_docs > 0 and cfg.train.local_steps >= 200 and len(cfg.seeds) >= 3
+    assert [p.name for p in sweep] == ["cpu-qa-open-hetero-n8-alpha-sweep.yaml", "paper-qa-choice-hetero-n16-alpha-sweep.yaml",
+                                       "paper-qa-open-hetero-n16-alpha-sweep.yaml"]
+    for path in sweep:
+        cfg = load_config(str(path))
+        assert {split_spec(m)[0] for m in cfg.methods} == {"deepfusion", "deepfusion-ce", "fedkmt"}
+        assert len([m for m in cfg.methods if "alpha=" in m]) >= 3 and "deepfusion:device_steps=0" in cfg.methods
+        assert cfg.data.server_valid_docs > 0 and cfg.train.local_steps >= 200 and len(cfg.seeds) >= 3
+        assert cfg.data.public_categories == ["literature"], path.name  # public text of no test domain
+        assert ("gemma3-270m" in cfg.deepfusion.devices) == path.name.startswith("paper"), path.name
     for path in (p for p in recipes if p not in gemma + sweep):
         cfg = load_config(str(path))
         assert {split_spec(m)[0] for m in cfg.methods} == {"deepfusion", "deepfusion-ce", "fedkmt", "ofa-kd", "fedjets",

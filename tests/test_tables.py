@@ -44,3 +44,44 @@ def test_a_case_renders_paired_differences_and_a_stale_doc_is_caught(tmp_path, m
     monkeypatch.setattr(tables, "ROOT", tmp_path)
     assert tables.main(["--check"]) == 1
     assert tables.main([]) == 0 and tables.main(["--check"]) == 0 and "+1.17 [-0.73, +3.06]" in doc.read_text()
+
+
+def test_deepfusion_case_chooses_vaa_s_weight_on_validation_and_pairs_against_fedkmt(tmp_path, monkeypatch):
+    """The sweep's choice reads valid_* only (alpha=10 is better on test, alpha=1 on validation:
+    alpha=1 is chosen and stands for the sweep below); the paired differences are the chosen spec's
+    minus FedKMT's per seed; the premise row reads each device's dominant domain from partition.json."""
+    tables = _tables()
+    monkeypatch.setattr(tables, "RESULTS", tmp_path / "results")
+    case = tmp_path / "results" / "df"
+    #                  seed:   1     2     3      (test, valid) answer log ppl, the same in both domains
+    scores = {"fedkmt": ([3.0, 3.2, 3.1], [3.0, 3.0, 3.0]),
+              "deepfusion:alpha=1.0": ([2.9, 3.0, 3.0], [2.0, 2.0, 2.0]),
+              "deepfusion:alpha=10.0": ([1.0, 1.0, 1.0], [2.5, 2.5, 2.5])}
+    grad = {"step": [1], "ce": [[1.0, 0.5]], "fm": [[1.0, 0.25]], "kl": [[1.0, 0.25]], "cos_fm_rest": [-0.5]}
+    for m, (test, valid) in scores.items():
+        for seed, t, v in zip((1, 2, 3), test, valid):
+            d = case / f"seed{seed}" / m
+            d.mkdir(parents=True)
+            per = {"a": t, "b": t + 1}
+            (d / "results.json").write_text(json.dumps({"method": m, "per_user": {
+                dom: {"test_answer_log_ppl": x, "valid_answer_log_ppl": v, "test_log_ppl": x + 1, "test_answer_acc": 1.0,
+                      "test_base_answer_log_ppl": 9.0, "test_base_log_ppl": 9.5} for dom, x in per.items()}}))
+            with lzma.open(d / "server.jsonl.xz", "wt") as fh:
+                fh.write(json.dumps({"kd": [{"grad": grad}], "clients": [0, 1], "devices": ["base", "prune:2:32"],
+                                     "in_domain": {"devices": {"0": {"a": 1.0, "b": 2.0}, "1": {"a": 1.5, "b": 0.5}},
+                                                   "student": {"a": 1.25, "b": 1.0}}}) + "\n")
+    (case / "partition.json").write_text(json.dumps({"client0": {"mixture": {"a": 0.9, "b": 0.1}},
+                                                     "client1": {"mixture": {"a": 0.2, "b": 0.8}}}))
+    (case / "case.json").write_text(json.dumps({"kind": "deepfusion", "reference": "fedkmt", "command": "cmd",
+                                                "machine": "m", "date": "d", "order": ["fedkmt", *list(scores)[1:]],
+                                                "sweep": list(scores)[1:]}))
+    out = tables.table("df")
+    assert "Chosen on the server's validation documents: deepfusion:alpha=1.0 (the lowest mean validation answer log perplexity over seeds 1, 2, 3;" in out
+    assert "| deepfusion:alpha=1.0 (chosen) | 2.000 (0.000) | 3.467 (0.047) | 0.250 | -0.500 |" in out
+    assert "| deepfusion:alpha=10.0 |" not in out.split("per domain")[1]  # the chosen spec stands for the sweep
+    # seed differences -0.1, -0.2, -0.1: mean -0.1333, half-width 4.303 * 0.05774 / sqrt(3) = 0.1434
+    assert "| deepfusion:alpha=1.0 | -0.133 [-0.277, +0.010] | -0.133 [-0.277, +0.010] | -0.133 [-0.277, +0.010] |" in out
+    assert "| dense base (before distillation) | 9.000 (0.000) | 9.000 (0.000) | 9.000 (0.000) | - | 9.500 (0.000) |" in out
+    assert "| fedkmt | 3.100 (0.082) | 4.100 (0.082) | 3.600 (0.082) | 1.00 (0.00) | 4.600 (0.082) |" in out
+    assert "| 1 | client0 | base | a (0.90) | 1.0000 | 1.2500 | -0.2500 |" in out
+    assert "|  | client1 | prune:2:32 | b (0.80) | 0.5000 | 1.0000 | -0.5000 |" in out
