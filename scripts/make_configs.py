@@ -164,14 +164,15 @@ DEEPFUSION_CASES = {"qa-choice": "multiple-choice QA over 5 domains (MMedBench's
                     "qa-open": "open-ended QA over 5 domains (FinQA's role)"}
 
 
-def alpha_sweep(hetero: dict, kd_steps: int) -> dict:
+def alpha_sweep(hetero: dict, kd_steps: int, alphas: tuple[float, ...]) -> dict:
     """DeepFusion's central idea put to the test (docs/deepfusion.md): teachers trained 200 steps
     or more (long enough to know their domains better than the student), VAA's weight alpha swept
     and chosen on the server's own held-out validation documents (never test), the untrained-teacher
     control, FedKMT and CE-only as the paper's baselines, 3 seeds for paired intervals."""
     sweep = copy.deepcopy(hetero)
-    sweep["methods"] = ["deepfusion:alpha=1.0", "deepfusion:alpha=10.0", "deepfusion:alpha=30.0",
-                        "deepfusion:alpha=100.0", "fedkmt", "deepfusion-ce", "deepfusion:device_steps=0"]
+    # FedKMT first: it trains the devices the others read from the device cache
+    sweep["methods"] = ["fedkmt", *(f"deepfusion:alpha={a}" for a in alphas), "deepfusion-ce",
+                        "deepfusion:device_steps=0"]
     sweep.pop("fedjets", None)
     sweep["seeds"] = [42, 62, 82]
     sweep["train"]["local_steps"] = max(200, sweep["train"]["local_steps"])
@@ -226,7 +227,7 @@ def deepfusion_configs() -> None:
                       f"FedKMT and CE-only; {scale} scale (scripts/make_configs.py; a GPU job; needs "
                       f"pip install -e \".[gemma]\").\n"
                       f"Run: comix compare configs/deepfusion/{scale}-{case}-hetero-n{n}-alpha-sweep.yaml",
-                      alpha_sweep(hetero, kd_steps=s["kd_steps"]))
+                      alpha_sweep(hetero, kd_steps=s["kd_steps"], alphas=(1.0, 10.0, 30.0, 100.0)))
             if scale == "cpu" and case == "qa-open":
                 # the paper's premise at CPU scale: devices narrower and shallower than the student
                 # (width-pruned SmolLM2s: VAA must bridge 384-512 to 576 channels) and public data of
@@ -243,12 +244,13 @@ def deepfusion_configs() -> None:
                           f"DeepFusion, {what}, N = {n} devices narrower than the student, trained 200 steps; "
                           f"VAA's alpha swept and chosen on the server's validation documents, the untrained-"
                           f"teacher control, FedKMT and CE-only; 3 seeds; {scale} scale (scripts/make_configs.py).\n"
-                          f"Run (about 4 h on 2 cores, so in two parts, each continued with --resume <its run_dir>):\n"
-                          f"  the sweep on one seed: comix compare configs/deepfusion/{scale}-{case}-hetero-n{n}-alpha-sweep.yaml "
-                          f"--seeds 42 run_dir=runs/df-sweep-42\n"
-                          f"  the alpha of the lowest mean valid_answer_log_ppl there (results.json) and the controls on the "
-                          f"others: ... --seeds 62 82 --methods deepfusion:alpha=<chosen> fedkmt deepfusion-ce "
-                          f"deepfusion:device_steps=0 run_dir=runs/df-sweep-rest", alpha_sweep(hetero, kd_steps=100))
+                          f"Run (2 cores: ~67 min of device training a seed, ~31 min a server phase, so in two "
+                          f"parts, each continued with --resume <its run_dir>):\n"
+                          f"  the sweep and the controls on one seed (~4 h): comix compare "
+                          f"configs/deepfusion/{scale}-{case}-hetero-n{n}-alpha-sweep.yaml --seeds 42 run_dir=runs/df-sweep-42\n"
+                          f"  the alpha of the lowest mean valid_answer_log_ppl there (results.json) against FedKMT on "
+                          f"two more seeds (~4 h): ... --seeds 62 82 --methods fedkmt deepfusion:alpha=<chosen> "
+                          f"run_dir=runs/df-sweep-rest", alpha_sweep(hetero, kd_steps=100, alphas=(10.0, 100.0, 1.0)))
                     # a second family with its own tokenizer (Gemma-3-270M, vocabulary 262k) beside a
                     # pruned SmolLM2: distillation across tokenizers (models/token_align.py). N = 4
                     # devices (3 Gemma, 1 SmolLM2 by the assignment seed) and K = 2 to fit the CPU

@@ -85,3 +85,33 @@ def test_deepfusion_case_chooses_vaa_s_weight_on_validation_and_pairs_against_fe
     assert "| fedkmt | 3.100 (0.082) | 4.100 (0.082) | 3.600 (0.082) | 1.00 (0.00) | 4.600 (0.082) |" in out
     assert "| 1 | client0 | base | a (0.90) | 1.0000 | 1.2500 | -0.2500 |" in out
     assert "|  | client1 | prune:2:32 | b (0.80) | 0.5000 | 1.0000 | -0.5000 |" in out
+
+
+def test_save_merges_runs_of_one_partition_keeps_the_named_methods_and_refuses_two_partitions(tmp_path, monkeypatch):
+    tables = _tables()
+    monkeypatch.setattr(tables, "RESULTS", tmp_path / "results")
+
+    def run(name, seeds, methods, partition):
+        root = tmp_path / name
+        for seed in seeds:
+            for m in methods:
+                d = root / f"seed{seed}" / m.replace(":", "__")
+                d.mkdir(parents=True)
+                (d / "results.json").write_text(json.dumps({"method": m, "mean": seed}, indent=2))
+                (d / "metrics.jsonl").write_text('{"round": 1}\n')
+        (root / "config.yaml").write_text("seed: 42\n")
+        (root / "partition.json").write_text(partition)
+        return root
+    a = run("a", [42], ["fedkmt", "deepfusion:alpha=1.0", "deepfusion:alpha=10.0"], '{"client0": 1}')
+    b = run("b", [62, 82], ["fedkmt", "deepfusion:alpha=1.0", "deepfusion-ce"], '{"client0": 1}')
+    out = tables.save([a, b], "c", {"kind": "deepfusion", "methods": ["fedkmt", "deepfusion:alpha=1.0", "deepfusion:alpha=10.0"]})
+    got = sorted(str(p.parent.relative_to(out)) for p in out.glob("seed*/*/results.json"))
+    assert got == ["seed42/deepfusion__alpha=1.0", "seed42/deepfusion__alpha=10.0", "seed42/fedkmt",
+                   "seed62/deepfusion__alpha=1.0", "seed62/fedkmt", "seed82/deepfusion__alpha=1.0", "seed82/fedkmt"]
+    assert (out / "partition.json").read_text() == '{"client0": 1}'
+    with lzma.open(out / "seed62" / "fedkmt" / "metrics.jsonl.xz", "rt") as fh:
+        assert fh.read() == '{"round": 1}\n'
+    other = run("o", [62], ["fedkmt"], '{"client0": 2}')
+    with pytest.raises(SystemExit, match="split the data differently"):
+        tables.save([a, other], "d", {})
+    assert not (tmp_path / "results" / "d").exists()
