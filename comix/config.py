@@ -70,6 +70,10 @@ class RunConfig:
     # the frozen base's block linears: none | int8 | nf4 (QLoRA; models/quant.py), one per client
     # ([none, nf4, ...]), or auto: each device of the fleet the least-compressed that fits it (comix/fleet.py)
     quant: str | list[str] = "none"
+    # slices each training batch is computed in (gradient accumulation: one optimiser step a batch,
+    # the activations of a slice), one per client, or auto: each device of the fleet the fewest
+    # its memory budget needs, before a more compressed base (comix/fleet.py)
+    micro_batches: int | str | list[int] = 1
     fleet: str = ""                    # a fleet file or a built-in fleet: device budgets, throughput, availability, deadline (comix/fleet.py)
     compile: bool | None = None        # torch.compile the mixtures' slot work; None (= auto): on CUDA only
     gpus_per_client: float = 0.0       # Flower simulation: GPU share of each virtual device (num_gpus)
@@ -147,6 +151,13 @@ class RunConfig:
         for q in dict.fromkeys([self.quant] if isinstance(self.quant, str) else self.quant):
             if q != "auto" and check_quant(q):
                 raise ConfigError(check_quant(q))
+        if self.micro_batches == "auto" and not self.fleet:
+            raise ConfigError("micro_batches=auto slices each device's batches as its memory budget needs: give a "
+                              "fleet (fleet=<file> or a built-in fleet)")
+        for m in [self.micro_batches] if isinstance(self.micro_batches, (int, str)) else self.micro_batches:
+            if m != "auto" and (not isinstance(m, int) or isinstance(m, bool) or not 1 <= m <= self.train.batch_size):
+                raise ConfigError(f"micro_batches must be auto or a whole number from 1 to train.batch_size "
+                                  f"({self.train.batch_size}), or one per client; got {m!r}")
         from .runtime import PRECISIONS
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
@@ -218,7 +229,8 @@ def _set(obj, dotted: str, value, prefix: str = "") -> None:
     if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     default = getattr(type(obj)(), head) if dataclasses.is_dataclass(obj) else current
-    per_client = key == "quant" and isinstance(value, list) and all(isinstance(v, str) for v in value)
+    per_client = (key == "quant" and isinstance(value, list) and all(isinstance(v, str) for v in value)) or \
+        (key == "micro_batches" and (value == "auto" or isinstance(value, list) and all(isinstance(v, int) for v in value)))
     if not per_client and not _type_ok(value, default if default is not None else current):
         want = type(default).__name__ if default is not None else "a value"
         raise ConfigError(f"config key {key!r} expects {want}, got {value!r}")

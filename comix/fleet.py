@@ -17,9 +17,11 @@ measured on the device: engines/device.py Footprint), so the deadline drops the 
 every engine and every machine. Availability is drawn per device and round from a generator
 seeded by (run seed, round, client). Memory: ``plan`` reads the training memory each client of
 the method needs (the frozen base at each precision, the trainable state, one step's
-activations) and checks that every device fits the run's base precision; with ``quant=auto``
-each device gets the least-compressed precision that fits its budget (its own base: devices
-differ). A device nothing fits stops the run in one line, before any work.
+activations, at each number of micro-batches asked) and checks that every device fits the run's
+base precision; with ``quant=auto`` each device gets the least-compressed precision that fits its
+budget (its own base: devices differ), with ``micro_batches=auto`` the fewest slices of its batches
+that fit, tried before a more compressed base. A device nothing fits stops the run in one line,
+before any work.
 """
 from __future__ import annotations
 
@@ -100,37 +102,50 @@ def load_fleet(path: str | None) -> Fleet | None:
     return fleet
 
 
-def plan(fleet: Fleet, needs: list[dict[str, float]], quant: str | list[str], method: str) -> tuple[str, ...]:
-    """Each client's base precision for ``method``. ``needs[c]``: the MB client c needs to train
-    with the base at each precision (none / int8 / nf4: engines/device.py ``training_memory``).
-    ``quant=auto``: the least-compressed precision that fits the device's budget (quantise only
-    as far as its memory forces: NF4 costs perplexity, the README's quantised-base table); a
-    precision, or one per client: that one, checked. One line naming the device that nothing (or
-    not the asked precision) fits."""
+Setting = tuple[str, int]  # a device's (base precision, micro-batches)
+
+
+def plan(fleet: Fleet, needs: list[dict[Setting, float]], quant: str | list[str], method: str,
+         micro_batches: int | str | list[int] = 1) -> tuple[Setting, ...]:
+    """Each client's (base precision, micro-batches) for ``method``. ``needs[c][(q, m)]``: the MB
+    client c needs to train with the base at precision q (none / int8 / nf4) and each batch in m
+    slices (engines/device.py ``training_memory``). ``auto`` (either or both): the first setting
+    that fits the device's budget in order of quality: the least-compressed precision (NF4 costs
+    perplexity, the README's quantised-base table), and at it the fewest slices (slicing costs
+    time, not quality: the gradients are the batch's); a value, or one per client: that one,
+    checked. One line naming the device that nothing (or not the asked setting) fits."""
     n, out = len(needs), []
     for c, need in enumerate(needs):
         p = fleet.profile_of(c, n)
-        fits = [q for q in ("none", "int8", "nf4") if q in need and need[q] <= p.memory_mb]
-        want = quant if isinstance(quant, str) else quant[c]
+        want_q = quant if isinstance(quant, str) else quant[c]
+        want_m = micro_batches if isinstance(micro_batches, (int, str)) else micro_batches[c]
+        order = [(q, m) for q in ("none", "int8", "nf4") for m in sorted({m for _, m in need}) if (q, m) in need]
+        fits = [s for s in order if need[s] <= p.memory_mb]
         if not fits:
             raise ValueError(f"fleet: nothing fits device {c} ({p.name}, {p.memory_mb:g} MB) for {method}: it needs "
-                             + ", ".join(f"{v:.0f} MB with quant={q}" for q, v in need.items()))
-        if want not in ("auto", *fits):
+                             + ", ".join(f"{v:.0f} MB with {_shown(s)}" for s, v in need.items()))
+        asked = [s for s in fits if want_q in ("auto", s[0]) and want_m in ("auto", s[1])]
+        if not asked:
+            wanted = next(s for s in order if want_q in ("auto", s[0]) and want_m in ("auto", s[1]))
             raise ValueError(f"fleet: device {c} ({p.name}, {p.memory_mb:g} MB) cannot train {method} with "
-                             f"quant={want} ({need[want]:.0f} MB); quant={fits[0]} fits it "
-                             f"({need[fits[0]]:.0f} MB), quant=auto picks per device")
-        out.append(fits[0] if want == "auto" else want)
+                             f"{_shown(wanted)} ({need[wanted]:.0f} MB); {_shown(fits[0])} fits it "
+                             f"({need[fits[0]]:.0f} MB), quant=auto / micro_batches=auto pick per device")
+        out.append(asked[0])
     return tuple(out)
 
 
-def plan_capacity(fleet: Fleet, needs: dict[int, list[dict[str, float]]], quant: str | list[str],
-                  method: str) -> list[int]:
+def _shown(setting: Setting) -> str:
+    return f"quant={setting[0]}" + (f", micro_batches={setting[1]}" if setting[1] > 1 else "")
+
+
+def plan_capacity(fleet: Fleet, needs: dict[int, list[dict[Setting, float]]], quant: str | list[str],
+                  method: str, micro_batches: int | str | list[int] = 1) -> list[int]:
     """Each client's capacity (CoMiGS-1GxS's experts, HetLoRA's or FLoRA's rank): ``needs[v][c]``
-    is what client c needs to train at value v with the base at each precision. The device keeps
-    the precision ``plan`` gives it at the smallest value (quantise only as far as memory forces),
-    then takes the largest value whose training fits its budget at that precision."""
+    is what client c needs to train at value v with each (precision, micro-batches). The device
+    keeps the setting ``plan`` gives it at the smallest value (quantise and slice only as far as
+    memory forces), then takes the largest value whose training fits its budget in that setting."""
     values = sorted(needs)
-    quants = plan(fleet, needs[values[0]], quant, method)  # one line for a device nothing fits
-    n = len(quants)
-    return [max(v for v in values if needs[v][c][q] <= fleet.profile_of(c, n).memory_mb)
-            for c, q in enumerate(quants)]
+    settings = plan(fleet, needs[values[0]], quant, method, micro_batches)  # one line for a device nothing fits
+    n = len(settings)
+    return [max(v for v in values if needs[v][c][s] <= fleet.profile_of(c, n).memory_mb)
+            for c, s in enumerate(settings)]

@@ -65,6 +65,8 @@ def load_inputs(cfg: RunConfig):
     check_seq_len(users, cfg.train.seq_len)
     if not isinstance(cfg.quant, str) and len(cfg.quant) != len(users):
         raise ValueError(f"quant gives {len(cfg.quant)} precisions for {len(users)} clients: one per client")
+    if isinstance(cfg.micro_batches, list) and len(cfg.micro_batches) != len(users):
+        raise ValueError(f"micro_batches gives {len(cfg.micro_batches)} values for {len(users)} clients: one per client")
     if cfg.fleet:
         # experts=auto / ranks=auto become each device's own value, written so into the run's
         # config.yaml (resume, export and Flower's devices read the sized spec)
@@ -76,18 +78,29 @@ def load_inputs(cfg: RunConfig):
     return on_device(model, runtime), tok, users, token_table(users), server_data
 
 
-def fleet_plan(cfg, spec: str, model, users) -> str | tuple[str, ...]:
-    """Each device's base precision for ``spec`` (comix/fleet.py ``plan``), from the memory one
-    measured training step of each client's model needs on the full-precision ``model``: every
-    device fits, or one line names the one that does not."""
+def micro_batch_options(cfg, spec: str) -> tuple[int, ...]:
+    """The slice counts the plan may choose from: with micro_batches=auto, 1 and the powers of 2
+    up to the method's batch size; otherwise the asked one(s)."""
+    if cfg.micro_batches == "auto":
+        batch = spec_config(cfg, spec).train.batch_size
+        return tuple(2 ** k for k in range(batch.bit_length()) if 2 ** k <= batch)
+    return tuple(sorted({cfg.micro_batches} if isinstance(cfg.micro_batches, int) else set(cfg.micro_batches)))
+
+
+def fleet_plan(cfg, spec: str, model, users) -> tuple[str | tuple[str, ...], int | tuple[int, ...]]:
+    """Each device's base precision and micro-batches for ``spec`` (comix/fleet.py ``plan``), from
+    the memory one measured training step of each client's model needs on the full-precision
+    ``model``: every device fits, or one line names the one that does not."""
     from .engines.device import training_memory
     from .fleet import load_fleet, plan
     algo = build_algorithm(cfg, spec, len(users))
     if not algo.trains or algo.pooled or algo.device_spec(0) is not None:  # no device trains an adapter
-        return cfg.quant if cfg.quant != "auto" else "none"
-    measured = {}  # clients with the same adapters and batch shape are measured once
-    needs = [training_memory(model, algo, users[c], c, measured) for c in range(algo.n_clients)]
-    return plan(load_fleet(cfg.fleet), needs, cfg.quant, spec)
+        return (cfg.quant if cfg.quant != "auto" else "none",
+                cfg.micro_batches if cfg.micro_batches != "auto" else 1)
+    measured, options = {}, micro_batch_options(cfg, spec)  # clients alike are measured once
+    needs = [training_memory(model, algo, users[c], c, measured, options) for c in range(algo.n_clients)]
+    settings = plan(load_fleet(cfg.fleet), needs, cfg.quant, spec, cfg.micro_batches)
+    return tuple(q for q, _ in settings), tuple(m for _, m in settings)
 
 
 def size_from_budgets(cfg, spec: str, model, users) -> str:
@@ -100,20 +113,23 @@ def size_from_budgets(cfg, spec: str, model, users) -> str:
     if sized is None:
         return spec
     (option, values), n, measured, needs = sized, len(users), {}, {}
+    options = micro_batch_options(cfg, spec)
     for v in values:
         algo = build_algorithm(cfg, with_option(spec, option, [v] * n), n)
-        needs[v] = [training_memory(model, algo, users[c], c, measured) for c in range(n)]
-    sized = with_option(spec, option, plan_capacity(load_fleet(cfg.fleet), needs, cfg.quant, spec))
+        needs[v] = [training_memory(model, algo, users[c], c, measured, options) for c in range(n)]
+    sized = with_option(spec, option, plan_capacity(load_fleet(cfg.fleet), needs, cfg.quant, spec, cfg.micro_batches))
     print(f"{spec} -> {sized} (fleet {cfg.fleet})")
     return sized
 
 
-def device_quants(cfg, spec: str, model, users) -> str | tuple[str, ...]:
-    """The precision of each device's frozen base for ``spec`` (a Runtime's ``quant``): the
-    config's, or (quant=auto) its fleet's plan, made on the full-precision base the run keeps."""
-    if cfg.quant == "auto":
+def device_settings(cfg, spec: str, model, users) -> tuple[str | tuple[str, ...], int | tuple[int, ...]]:
+    """Each device's frozen-base precision and micro-batches for ``spec`` (a Runtime's ``quant``
+    and ``micro_batches``): the config's, or (auto) its fleet's plan, made on the full-precision
+    base the run keeps."""
+    if "auto" in (cfg.quant, cfg.micro_batches):
         return fleet_plan(cfg, spec, model, users)
-    return cfg.quant if isinstance(cfg.quant, str) else tuple(cfg.quant)
+    return (cfg.quant if isinstance(cfg.quant, str) else tuple(cfg.quant),
+            cfg.micro_batches if isinstance(cfg.micro_batches, int) else tuple(cfg.micro_batches))
 
 
 def run_spec(cfg, spec: str, seed: int, out: Path, model, users, console, server_data=None) -> dict:
@@ -131,10 +147,13 @@ def run_spec(cfg, spec: str, seed: int, out: Path, model, users, console, server
     mcfg = spec_config(cfg, spec)
     algo = build_algorithm(cfg, spec, len(users))
     n_clients = algo.n_clients
-    quant = device_quants(cfg, spec, model, users)
+    quant, micro = device_settings(cfg, spec, model, users)
     if cfg.fleet and not isinstance(quant, str):
         console.print(f"{spec}: each device's base precision (fleet plan): "
                       + ", ".join(f"{q} x{quant.count(q)}" for q in dict.fromkeys(quant)))
+    if cfg.fleet and not isinstance(micro, int):
+        console.print(f"{spec}: each device's micro-batches (fleet plan): "
+                      + ", ".join(f"{m} x{micro.count(m)}" for m in dict.fromkeys(micro)))
     if cfg.engine == "flower-sim" and algo.trains and not algo.pooled:
         import dataclasses
 
@@ -142,8 +161,9 @@ def run_spec(cfg, spec: str, seed: int, out: Path, model, users, console, server
         from .engines.flower.simulation import simulate
         from .files import atomic_write
         recipe = out.parent / f".{out.name}.flower-sim.yaml"
-        # the devices read their own precision from the recipe: the plan, one per client
-        planned = dataclasses.replace(cfg, quant=list(quant) if not isinstance(quant, str) else quant)
+        # the devices read their own precision and micro-batches from the recipe: the plan, one per client
+        planned = dataclasses.replace(cfg, quant=list(quant) if not isinstance(quant, str) else quant,
+                                      micro_batches=list(micro) if not isinstance(micro, int) else micro)
         text = yaml.safe_dump(to_dict(planned), sort_keys=False)
         atomic_write(recipe, lambda p: Path(p).write_text(text))
         console.print(f"{spec}: Flower simulation (Ray on 127.0.0.1) with {n_clients} virtual devices")
@@ -178,7 +198,8 @@ def run_spec(cfg, spec: str, seed: int, out: Path, model, users, console, server
         try:
             res = run_method(algo, model, users, out, seed=seed, resume=True, offload=mcfg.offload,
                              progress=progress, keep_checkpoints=mcfg.keep_checkpoints,
-                             runtime=resolve(cfg.device, cfg.precision, cfg.compile, quant), server_data=server_data)
+                             runtime=resolve(cfg.device, cfg.precision, cfg.compile, quant, micro),
+                             server_data=server_data)
         finally:
             listen(None)
         bar.update(task, completed=bar.tasks[0].total)

@@ -33,10 +33,17 @@ class Runtime:
     # the frozen base's linears: none | int8 | nf4 (models/quant.py), or one per client (a fleet's
     # plan, comix/fleet.py: each device's base at the precision its memory budget allows)
     quant: str | tuple[str, ...] = "none"
+    # slices a training batch is computed in (gradient accumulation, one step per batch), or one
+    # per client (a fleet's plan: a device whose one-step activations exceed its memory budget)
+    micro_batches: int | tuple[int, ...] = 1
 
     def quant_of(self, client: int) -> str:
         """The precision of client ``client``'s frozen base."""
         return self.quant if isinstance(self.quant, str) else self.quant[client]
+
+    def micro_batches_of(self, client: int) -> int:
+        """How many slices client ``client`` computes each training batch in."""
+        return self.micro_batches if isinstance(self.micro_batches, int) else self.micro_batches[client]
 
     @property
     def base_quant(self) -> str:
@@ -66,7 +73,8 @@ class Runtime:
 
 
 def resolve(device: str = "auto", precision: str = "fp32", compile: bool | None = None,
-            quant: str | list[str] | tuple[str, ...] = "none") -> Runtime:
+            quant: str | list[str] | tuple[str, ...] = "none",
+            micro_batches: int | list[int] | tuple[int, ...] = 1) -> Runtime:
     """A Runtime from the config's strings, with a one-line error naming the bad value."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
@@ -89,7 +97,11 @@ def resolve(device: str = "auto", precision: str = "fp32", compile: bool | None 
         if q not in QUANTS:
             raise ValueError(f"quant must be one of {', '.join(QUANTS)} (or one per client), got {q!r}")
     quant = quant if isinstance(quant, str) else tuple(quant)
-    return Runtime(dev, precision, dev.type == "cuda" if compile is None else bool(compile), quant)
+    for m in [micro_batches] if isinstance(micro_batches, int) else micro_batches:
+        if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+            raise ValueError(f"micro_batches must be a whole number >= 1 (or one per client), got {m!r}")
+    micro_batches = micro_batches if isinstance(micro_batches, int) else tuple(micro_batches)
+    return Runtime(dev, precision, dev.type == "cuda" if compile is None else bool(compile), quant, micro_batches)
 
 
 def to_cpu(obj):

@@ -46,20 +46,39 @@ def test_availability_is_drawn_per_device_and_round_from_the_seed():
     assert all(Fleet([DeviceProfile("p", 1.0, 1, 1)]).available(c, 10, 1, 3) for c in range(10))
 
 
+def _at(need: dict[str, float], slices: int = 1) -> dict:
+    return {(q, slices): v for q, v in need.items()}
+
+
 def test_the_memory_plan_gives_each_device_the_least_compressed_base_that_fits_it():
     fleet = Fleet([DeviceProfile("phone-1gb", 0.5, 1024, 1), DeviceProfile("board-4gb", 0.5, 4096, 1)])
-    need = {"none": 3000, "int8": 1500, "nf4": 900}
-    assert plan(fleet, [need] * 4, "auto", "m") == ("nf4", "nf4", "none", "none")
-    assert plan(fleet, [need, need, {"none": 5000, "int8": 2000, "nf4": 1000}, need], "auto", "m") == (
+    need = _at({"none": 3000, "int8": 1500, "nf4": 900})
+    quants = lambda settings: tuple(q for q, _ in settings)  # noqa: E731
+    assert plan(fleet, [need] * 4, "auto", "m") == (("nf4", 1), ("nf4", 1), ("none", 1), ("none", 1))
+    assert quants(plan(fleet, [need, need, _at({"none": 5000, "int8": 2000, "nf4": 1000}), need], "auto", "m")) == (
         "nf4", "nf4", "int8", "none")  # each device by its own need
-    assert plan(fleet, [need] * 4, ["nf4", "nf4", "int8", "none"], "m") == ("nf4", "nf4", "int8", "none")
+    assert quants(plan(fleet, [need] * 4, ["nf4", "nf4", "int8", "none"], "m")) == ("nf4", "nf4", "int8", "none")
     with pytest.raises(ValueError, match=r"device 1 \(phone-1gb, 1024 MB\) cannot train m with quant=int8 "
                                          r"\(1500 MB\); quant=nf4 fits it"):
         plan(fleet, [need] * 4, ["nf4", "int8", "none", "none"], "m")
     with pytest.raises(ValueError, match=r"device 0 \(phone-1gb, 1024 MB\) cannot train m with quant=none"):
         plan(fleet, [need] * 4, "none", "m")
     with pytest.raises(ValueError, match=r"nothing fits device 0 \(phone-1gb, 1024 MB\) for m"):
-        plan(fleet, [{"none": 3000, "int8": 2000, "nf4": 1100}] * 4, "auto", "m")
+        plan(fleet, [_at({"none": 3000, "int8": 2000, "nf4": 1100})] * 4, "auto", "m")
+
+
+def test_micro_batches_come_before_a_more_compressed_base_and_only_as_many_as_the_budget_needs():
+    fleet = Fleet([DeviceProfile("phone-1gb", 0.5, 1024, 1), DeviceProfile("board-4gb", 0.5, 4096, 1)])
+    # slicing the batch shrinks the activations: full precision fits the phone in 4 slices, not 2
+    need = {**_at({"none": 1300, "int8": 1000, "nf4": 900}), **_at({"none": 1100, "int8": 800, "nf4": 700}, 2),
+            **_at({"none": 1000, "int8": 700, "nf4": 600}, 4)}
+    assert plan(fleet, [need] * 4, "auto", "m", "auto") == (("none", 4), ("none", 4), ("none", 1), ("none", 1))
+    assert plan(fleet, [need] * 4, "auto", "m", 2) == (("int8", 2), ("int8", 2), ("none", 2), ("none", 2))
+    assert plan(fleet, [need] * 4, "auto", "m") == (("int8", 1), ("int8", 1), ("none", 1), ("none", 1))
+    assert plan(fleet, [need] * 4, "nf4", "m", "auto") == (("nf4", 1), ("nf4", 1), ("nf4", 1), ("nf4", 1))
+    with pytest.raises(ValueError, match=r"device 0 \(phone-1gb, 1024 MB\) cannot train m with quant=none, "
+                                         r"micro_batches=2 \(1100 MB\); quant=none, micro_batches=4 fits it"):
+        plan(fleet, [need] * 4, "none", "m", 2)
 
 
 def test_a_run_whose_base_does_not_fit_a_device_is_refused_naming_the_precision_that_would(tmp_path, capsys):
@@ -72,8 +91,8 @@ def test_a_run_whose_base_does_not_fit_a_device_is_refused_naming_the_precision_
     model, tok = load_base_model("tiny-llama")
     need = training_memory(model, build_algorithm(cfg, "fedavg", 4), make_user_data(load_corpus(cfg.corpus), tok,
                                                                                     cfg.data)[0])
-    assert need["none"] > need["int8"] > need["nf4"] > 0
-    budget = (need["none"] + need["nf4"]) / 2  # fits quantised, not in full precision
+    assert need["none", 1] > need["int8", 1] > need["nf4", 1] > 0
+    budget = (need["none", 1] + need["nf4", 1]) / 2  # fits quantised, not in full precision
     fleet = _fleet_file(tmp_path, f"profiles:\n  - {{name: small, share: 1.0, memory_mb: {budget}, tokens_per_s: 1}}\n")
     assert main(["run", *COMMON, f"fleet={fleet}", f"run_dir={tmp_path / 'run'}"]) == 2
     err = capsys.readouterr().err
@@ -103,7 +122,7 @@ def test_quant_auto_gives_each_device_its_own_base_and_each_trains_as_alone_at_t
     model, tok = load_base_model("tiny-llama")
     need = training_memory(model, build_algorithm(cfg, "local", 4), make_user_data(load_corpus(cfg.corpus), tok,
                                                                                    cfg.data)[0])
-    fleet = _fleet_file(tmp_path, f"profiles:\n  - {{name: small, share: 0.5, memory_mb: {(need['none'] + need['nf4']) / 2}, "
+    fleet = _fleet_file(tmp_path, f"profiles:\n  - {{name: small, share: 0.5, memory_mb: {(need['none', 1] + need['nf4', 1]) / 2}, "
                                   "tokens_per_s: 1}\n  - {name: big, share: 0.5, memory_mb: 100000, tokens_per_s: 1}\n")
     assert main(["run", *common, f"fleet={fleet}", "quant=auto", f"run_dir={tmp_path / 'auto'}"]) == 0
     for q in ("int8", "none"):  # the small devices fit int8, the least-compressed that fits them
@@ -148,7 +167,7 @@ def test_the_capacity_plan_gives_each_device_the_most_experts_or_rank_its_budget
     fleet = Fleet([DeviceProfile("small", 0.5, 1000, 1), DeviceProfile("big", 0.5, 4000, 1)])
 
     def need(base):  # each value adds 200 MB of trainable state and activations
-        return {"none": base, "int8": base - 300, "nf4": base - 400}
+        return _at({"none": base, "int8": base - 300, "nf4": base - 400})
     needs = {v: [need(800 + 200 * i)] * 4 for i, v in enumerate((2, 3, 4, 6, 8))}
     assert plan_capacity(fleet, needs, "none", "m") == [3, 3, 8, 8]
     # quant=auto: the small devices keep full precision (it fits 2 experts), so 3; never int8 for 4
@@ -171,7 +190,7 @@ def test_experts_and_ranks_auto_are_sized_per_device_and_written_into_the_run_s_
     cfg = load_config(None, common)
     model, tok = load_base_model("tiny-llama")
     users = make_user_data(load_corpus(cfg.corpus), tok, cfg.data)
-    need = {v: training_memory(model, build_algorithm(cfg, f"comigs-1gxs:experts=[{v},{v},{v},{v}]", 4), users[0])["none"]
+    need = {v: training_memory(model, build_algorithm(cfg, f"comigs-1gxs:experts=[{v},{v},{v},{v}]", 4), users[0])["none", 1]
             for v in (3, 4)}
     fleet = _fleet_file(tmp_path, f"profiles:\n  - {{name: small, share: 0.5, memory_mb: {(need[3] + need[4]) / 2}, "
                                   "tokens_per_s: 1}\n  - {name: big, share: 0.5, memory_mb: 100000, tokens_per_s: 1}\n")

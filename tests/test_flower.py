@@ -194,14 +194,16 @@ train: {rounds: 3, local_steps: 1, batch_size: 2, seq_len: 32, clients_per_round
     assert main(["run", str(cfg), f"run_dir={tmp_path / 'inproc'}"]) == 0
     assert main(["run", str(cfg), f"run_dir={tmp_path / 'sim'}", "engine=flower-sim", "threads=2"]) == 0
     # FedDPA's scoring hook and FedLEASE's clustering and per-round uploads, every client asked every
-    # round, each pair of devices on its own base precision (NF4, int8, full), with a fleet whose
+    # round, each pair of devices on its own base precision (NF4, int8, full), every other device
+    # computing its batches in 2 slices, with a fleet whose
     # deadline leaves the slow third out (64 tokens a round: 0.64 s at 100 tokens/s against 0.5 s)
     fleet = tmp_path / "fleet.yaml"
     fleet.write_text("deadline_s: 0.5\nprofiles:\n  - {name: slow, share: 0.34, memory_mb: 4096, tokens_per_s: 100}\n"
                      "  - {name: fast, share: 0.66, memory_mb: 4096, tokens_per_s: 1000}\n")
     full = cfg.read_text().replace("methods: [flora, fedalt]", "methods: [feddpa-t, fedlease]").replace(
         "clients_per_round: 2", "clients_per_round: 0").replace(
-        "seed: 5", f"seed: 5\nfedlease: {{warmup: 1}}\nquant: [nf4, nf4, int8, int8, none, none]\nfleet: {fleet}")
+        "seed: 5", f"seed: 5\nfedlease: {{warmup: 1}}\nquant: [nf4, nf4, int8, int8, none, none]\nfleet: {fleet}\n"
+                   "micro_batches: [2, 1, 2, 1, 2, 1]")
     (tmp_path / "full.yaml").write_text(full)
     assert main(["run", str(tmp_path / "full.yaml"), f"run_dir={tmp_path / 'inproc2'}"]) == 0
     assert main(["run", str(tmp_path / "full.yaml"), f"run_dir={tmp_path / 'sim2'}", "engine=flower-sim", "threads=2"]) == 0
@@ -217,6 +219,7 @@ train: {rounds: 3, local_steps: 1, batch_size: 2, seq_len: 32, clients_per_round
             assert all(x["base_mb"] == y["base_mb"] and x["tokens"] == y["tokens"] for x, y in zip(a, b) if x["sampled"])
             base = [x["base_mb"] for x in a if x["round"] == 2]  # clients 0..5 in order
             assert base[0] == base[1] != base[2] == base[3] != base[4] == base[5] and base[0] < base[4]
+            assert [x["micro_batches"] for x in a if x["round"] == 2] == [2, 1, 2, 1, 2, 1]  # each its own slices
             assert [x.get("dropped") for x in a if x["round"] == 1] == ["deadline"] * 2 + [None] * 4
 
 

@@ -29,8 +29,8 @@ from ..models import AdapterConfig, LoRAConfig
 from ..privacy import PrivacyConfig
 from ..runtime import Runtime
 from .training import (ClientState, Tensors, TrainConfig, adapter_tensors, average, batch_generator, expert_lr,
-                       expert_params, keep_optimizer, lm_loss, load_adapters, make_optimizer, mean_of_sums,
-                       model_load_balance, step_on)
+                       expert_params, keep_optimizer, load_adapters, make_optimizer, mean_of_sums,
+                       model_load_balance, train_step)
 
 
 @dataclass
@@ -289,11 +289,11 @@ class Algorithm:
             for g in opt.param_groups:
                 g["lr"] = expert_lr(state.step, total, self.train)
             x, y = self.train_batch(ctx, gen)
-            loss = lm_loss(ctx.model, x, y)
-            total_loss = (loss + self.train.lb_weight * model_load_balance(ctx.model, self.train.load_balance)
-                          + self.regularizer(ctx, state))
-            step_on(total_loss, [p for _, p in params], opt, self.train.grad_clip, scaler)
-            losses.append(loss.detach())
+            loss = train_step(ctx.model, x, y, [p for _, p in params], opt, self.train.grad_clip, scaler,
+                              ctx.runtime.micro_batches_of(ctx.client),
+                              lambda: (self.train.lb_weight * model_load_balance(ctx.model, self.train.load_balance)
+                                       + self.regularizer(ctx, state)))
+            losses.append(loss)
             state.step += 1
             self.after_expert_step(ctx, state, gen)
         keep_optimizer(state, "experts", opt, self.train)

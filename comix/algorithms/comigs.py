@@ -21,7 +21,7 @@ import re
 from ..data import sample_batch
 from ..models import AdapterConfig, LoRAConfig
 from .base import Algorithm, ClientContext, ClientState
-from .training import TrainConfig, keep_optimizer, lm_loss, make_optimizer, model_load_balance, router_params, step_on
+from .training import TrainConfig, keep_optimizer, make_optimizer, model_load_balance, router_params, train_step
 
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
 
@@ -75,7 +75,6 @@ class CoMiGS(Algorithm):
         for _ in range(self.train.router_steps):
             split = ctx.data.valid if self.router_update == "valid" else ctx.data.train
             x, y = sample_batch(split, self.train.batch_size, self.train.seq_len, gen)
-            loss = lm_loss(ctx.model, x, y) + self.train.lb_weight * model_load_balance(
-                ctx.model, self.train.load_balance)
-            step_on(loss, params, opt, self.train.grad_clip, scaler)
+            train_step(ctx.model, x, y, params, opt, self.train.grad_clip, scaler, ctx.runtime.micro_batches_of(ctx.client),
+                       lambda: self.train.lb_weight * model_load_balance(ctx.model, self.train.load_balance))
         keep_optimizer(state, "router", opt, self.train)

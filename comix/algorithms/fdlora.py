@@ -28,7 +28,7 @@ from ..data import sample_batch
 from ..models import AdapterConfig, LoRAConfig, param_role
 from ..models.lora import LoRALinear
 from .base import Algorithm, ClientContext, ClientState, Tensors
-from .training import adapter_tensors, keep_optimizer, load_adapters, lm_loss, make_optimizer, expert_lr, step_on
+from .training import adapter_tensors, keep_optimizer, load_adapters, lm_loss, make_optimizer, expert_lr, train_step
 
 START = (0.5, 0.5)
 
@@ -89,8 +89,8 @@ class FDLoRA(Algorithm):
             for g in opts[which].param_groups:
                 g["lr"] = expert_lr(state.step, total, self.train)
             x, y = self.train_batch(ctx, gen)
-            loss = lm_loss(ctx.model, x, y)
-            step_on(loss, [p for _, p in groups[which]], opts[which], self.train.grad_clip, scaler)
+            loss = train_step(ctx.model, x, y, [p for _, p in groups[which]], opts[which], self.train.grad_clip, scaler,
+                              ctx.runtime.micro_batches_of(ctx.client))
             losses.append(loss.item())
             state.step += 1
         set_fusion(ctx.model, state.extra.get("fusion", START))

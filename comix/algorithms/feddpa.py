@@ -41,7 +41,7 @@ from ..models import AdapterConfig, LoRAConfig, param_role
 from ..models.lora import LoRALinear
 from .base import Algorithm, ClientContext, ClientState, Tensors
 from .flora import FLORA_OPTIMIZER
-from .training import expert_lr, keep_optimizer, lm_loss, make_optimizer, step_on
+from .training import expert_lr, keep_optimizer, make_optimizer, train_step
 
 
 STATIC_WEIGHTS = (0.5, 0.5)
@@ -104,9 +104,8 @@ class FedDPA(Algorithm):
                 for g in opt.param_groups:
                     g["lr"] = expert_lr(s, steps, schedule)
                 x, y = sample_batch(ctx.data.train, self.train.batch_size, self.train.seq_len, gen)
-                loss = lm_loss(ctx.model, x, y)
-                step_on(loss, [p for _, p in params], opt, self.train.grad_clip, ctx.runtime.grad_scaler())
-                losses.append(loss.detach())
+                losses.append(train_step(ctx.model, x, y, [p for _, p in params], opt, self.train.grad_clip,
+                                         ctx.runtime.grad_scaler(), ctx.runtime.micro_batches_of(ctx.client)))
                 state.step += 1
         finally:
             set_mixing(ctx.model, None)

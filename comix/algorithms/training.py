@@ -214,9 +214,20 @@ def step_on(loss: torch.Tensor, params: list[nn.Parameter], opt: torch.optim.Opt
     parameter receives or keeps a gradient: the router step cannot leak validation data into
     experts and router gradients cannot accumulate between updates (DESIGN.md's reference bugs).
     ``scaler``: fp16's dynamic loss scale (a step with inf/NaN gradients is skipped)."""
+    apply_step(params, _gradients(loss, params, scaler), opt, clip, scaler)
+
+
+def _gradients(loss: torch.Tensor, params: list[nn.Parameter], scaler) -> list[torch.Tensor]:
     grads = torch.autograd.grad(scaler.scale(loss) if scaler else loss, params, allow_unused=True)
+    return [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+
+
+def apply_step(params: list[nn.Parameter], grads: list[torch.Tensor], opt: torch.optim.Optimizer, clip: float,
+               scaler: "torch.amp.GradScaler | None" = None) -> None:
+    """One optimiser step with ``grads`` as the gradients of ``params`` (clipped to norm ``clip``
+    when > 0); the gradients are dropped after it."""
     for p, g in zip(params, grads):
-        p.grad = torch.zeros_like(p) if g is None else g
+        p.grad = g
     if scaler:
         scaler.unscale_(opt)
     if clip:
@@ -228,6 +239,34 @@ def step_on(loss: torch.Tensor, params: list[nn.Parameter], opt: torch.optim.Opt
         opt.step()
     for p in params:
         p.grad = None
+
+
+def train_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, params: list[nn.Parameter],
+               opt: torch.optim.Optimizer, clip: float, scaler: "torch.amp.GradScaler | None" = None,
+               micro_batches: int = 1, extra=None) -> torch.Tensor:
+    """One optimiser step on the batch (``x``, ``y``): the mean next-token CE plus ``extra()``
+    (a term of the last forward, such as the load balance, or of the parameters alone), its
+    gradients by ``step_on``'s rule. With ``micro_batches`` > 1 the batch is computed in that many
+    slices, one forward and backward at a time, each slice's gradients weighted by its share of
+    the batch's targets and summed before the one step (gradient accumulation, as the HF Trainer's
+    ``gradient_accumulation_steps``: a device whose one-step activations exceed its memory
+    budget). The CE's gradient is then the whole batch's; a per-forward term such as the load
+    balance becomes the slices' weighted mean. Returns the batch's CE (detached)."""
+    if micro_batches <= 1:
+        loss = lm_loss(model, x, y)
+        step_on(loss + extra() if extra else loss, params, opt, clip, scaler)
+        return loss.detach()
+    slices = [(xs, ys) for xs, ys in zip(x.chunk(micro_batches), y.chunk(micro_batches)) if (ys != -100).any()]
+    targets = [int((ys != -100).sum()) for _, ys in slices]
+    grads, ce = None, []
+    for (xs, ys), n in zip(slices, targets):
+        share = n / sum(targets)
+        loss = lm_loss(model, xs, ys)
+        g = _gradients(share * (loss + extra() if extra else loss), params, scaler)
+        grads = g if grads is None else [a.add_(b) for a, b in zip(grads, g)]
+        ce.append(share * loss.detach())
+    apply_step(params, grads, opt, clip, scaler)
+    return torch.stack(ce).sum()
 
 
 def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -224,12 +224,14 @@ class Footprint:
 
 
 def training_memory(base: nn.Module, algorithm: Algorithm, user: UserData, client: int = 0,
-                    measured: dict | None = None) -> dict[str, float]:
+                    measured: dict | None = None, micro_batches: tuple[int, ...] = (1,)) -> dict[tuple[str, int], float]:
     """MB client ``client`` of ``algorithm`` needs to train on ``user``'s data, with the
-    full-precision ``base`` at each precision: the base's bytes (its block linears at 4 bytes, 1
-    byte + a scale per row, or half a byte + a scale per block of 64: bitsandbytes' int8 and NF4
-    storage), the trainable state (parameters, gradients, AdamW's moments, fp32) and the
-    activations of one measured training step (its first batch). ``measured`` memoises by adapter
+    full-precision ``base`` at each precision and each batch in each number of ``micro_batches``
+    slices: {(precision, slices): MB}. The base's bytes (its block linears at 4 bytes, 1 byte + a
+    scale per row, or half a byte + a scale per block of 64: bitsandbytes' int8 and NF4 storage),
+    the trainable state (parameters, gradients, AdamW's moments, fp32; with slices one more
+    gradient, the sum the slices accumulate into) and the activations of one measured training
+    step (its first batch, or that batch's first slice). ``measured`` memoises by adapter
     architecture and batch shape: clients alike are measured once."""
     import copy
 
@@ -238,22 +240,26 @@ def training_memory(base: nn.Module, algorithm: Algorithm, user: UserData, clien
     cfg = algorithm.adapter_config(client)
     gen = torch.Generator().manual_seed(0)
     x, y = algorithm.train_batch(ClientContext(client, None, user, algorithm.train), gen)
-    key = (repr(cfg), tuple(x.shape))
+    key = (repr(cfg), tuple(x.shape), tuple(micro_batches))
     if measured is not None and key in measured:
         return measured[key]
     model = inject_adapters(copy.deepcopy(base), cfg).train()
     fresh_adapters(model, 0)
-    with Footprint(model) as footprint:
-        from ..algorithms.training import lm_loss
-        lm_loss(model, x, y).backward()
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) * 16
+    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     linears = [m for b in transformer_blocks(base) for m in b.modules() if type(m) is nn.Linear]
     weights = sum(m.weight.numel() for m in linears)
     rows = sum(m.out_features for m in linears)
     total = base_bytes(base)
     rest = total - weights * linears[0].weight.element_size()  # embeddings, norms, head: as they are
     stored = {"none": weights * 4, "int8": weights + rows * 4, "nf4": weights / 2 + weights / 64}
-    need = {q: (rest + b + trainable + footprint.peak) / 2**20 for q, b in stored.items()}
+    from ..algorithms.training import lm_loss
+    need = {}
+    for m in micro_batches:
+        with Footprint(model) as footprint:
+            lm_loss(model, x.chunk(m)[0], y.chunk(m)[0]).backward()
+        model.zero_grad(set_to_none=True)
+        trainable = params * (16 if m == 1 else 20)
+        need.update({(q, m): (rest + b + trainable + footprint.peak) / 2**20 for q, b in stored.items()})
     if measured is not None:
         measured[key] = need
     return need
@@ -305,9 +311,11 @@ class Device:
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         metrics["trainable_mb"] = round(trainable * 4 * 4 / 2**20, 3)
         base_mb = base_bytes(self.model) / 2**20
-        metrics.update(tokens=footprint.tokens, quant=self.runtime.quant_of(self.client), base_mb=round(base_mb, 3),
-                       activation_mb=round(footprint.peak / 2**20, 3),
-                       memory_mb=round(base_mb + metrics["trainable_mb"] + footprint.peak / 2**20, 3))
+        micro = self.runtime.micro_batches_of(self.client)
+        held = metrics["trainable_mb"] * (1.25 if micro > 1 else 1)  # slices: one more gradient, their sum
+        metrics.update(tokens=footprint.tokens, quant=self.runtime.quant_of(self.client), micro_batches=micro,
+                       base_mb=round(base_mb, 3), activation_mb=round(footprint.peak / 2**20, 3),
+                       memory_mb=round(base_mb + held + footprint.peak / 2**20, 3))
         if cuda:
             metrics["peak_mem_mb"] = round(torch.cuda.max_memory_allocated(self.runtime.device) / 2**20, 1)
         self.store[self.client] = state

@@ -92,7 +92,8 @@ def device_for(run: dict, context: Context, read: int, write: int) -> Device:
     # each SuperNode computes on its own device: node config `device` (e.g. cuda:1) or the recipe's
     # this device's base precision: the run's, or its own of a fleet's plan (one per client)
     quant = cfg.quant if isinstance(cfg.quant, str) else cfg.quant[client]
-    runtime = resolve(str(node.get("device", cfg.device)), cfg.precision, cfg.compile, quant)
+    micro = cfg.micro_batches if isinstance(cfg.micro_batches, int) else cfg.micro_batches[client]
+    runtime = resolve(str(node.get("device", cfg.device)), cfg.precision, cfg.compile, quant, micro)
     base = _base(cfg.model, cfg.dropout, str(node.get("device", cfg.device)), cfg.precision, quant)
     key = hashlib.sha1(f"{run['config']}|{run['method']}|{run['seed']}".encode()).hexdigest()[:12]
     state_dir = node.get("state-dir") or run.get("state_dir") or "comix-device-state"
