@@ -4,10 +4,12 @@ FedAvg and CoMiGS-1G1S on SmolLM2-135M, quant=auto).
 
     python bench/fleet.py [--config configs/devices/mixed-16.yaml] [-- key=value ...]
 
-Runs ``comix run <config>`` (the fleet) and ``comix run <config> quant=none fleet=`` (every device
-in full precision, no budget) one after the other under /usr/bin/time -v, saves both as cases
-(bench/tables.py --save) and the measurements in ``<case>/case.json``; ``python bench/tables.py``
-makes the docs' table from them.
+Runs ``comix run <config>`` (the fleet), the same with ``micro_batches=auto`` (the fleet, each
+device's batches sliced before its base is quantised) and ``comix run <config> quant=none fleet=``
+(every device in full precision, no budget) one after the other under /usr/bin/time -v, saves
+each as a case (bench/tables.py --save) and the measurements in ``<case>/case.json``; ``python
+bench/tables.py`` makes the docs' table from them. ``--only sliced`` re-runs that part alone and
+keeps the others' records.
 """
 from __future__ import annotations
 
@@ -29,6 +31,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 from tables import RESULTS, save  # noqa: E402
 
 
+# the fleet as planned (quant=auto), the same with micro_batches=auto, and no budget at all
+PARTS = {"fleet": [], "sliced": ["micro_batches=auto"], "unconstrained": ["quant=none", "fleet=''"]}
+
+
 def run(config: str, extra: list[str], out: Path) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     return footprint.timed_comix(["run", config, f"run_dir={out}", *extra], ROOT, f"bench/fleet.py: {config} {extra}")
@@ -37,20 +43,24 @@ def run(config: str, extra: list[str], out: Path) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/devices/mixed-16.yaml")
-    ap.add_argument("extra", nargs="*", help="key=value overrides for both runs")
+    ap.add_argument("--only", nargs="+", choices=PARTS, help="re-run these parts, keep the others' records")
+    ap.add_argument("extra", nargs="*", help="key=value overrides for every run")
     args = ap.parse_args(argv)
     name = "fleet-" + Path(args.config).stem
     recipe = yaml.safe_load((ROOT / args.config).read_text())
-    measures = {}
-    for part, extra in (("fleet", []), ("unconstrained", ["quant=none", "fleet=''"])):
+    kept = RESULTS / name / "case.json"
+    measures = json.loads(kept.read_text())["measures"] if args.only and kept.exists() else {}
+    for part, extra in PARTS.items():
+        if args.only and part not in args.only and part in measures:
+            continue
         out = ROOT / "runs" / f"{name}-{part}"
         measures[part] = run(args.config, [*args.extra, *extra], out)
-        save(out, f"{name}-{part}", {"kind": "users", "part_of": name})
+        save([out], f"{name}-{part}", {"kind": "users", "part_of": name})
         print(f"{part}: {measures[part]['wall_s']:.0f} s, peak RSS {measures[part]['peak_rss_mb']:.0f} MB")
     case = {"kind": "fleet", "command": f"python bench/fleet.py --config {args.config} " + " ".join(args.extra),
             "machine": f"{os.cpu_count()}-core {platform.machine()} CPU, alone", "date": datetime.date.today().isoformat(),
             "fleet": recipe["fleet"], "methods": recipe["methods"],
-            "runs": {"fleet": f"{name}-fleet", "unconstrained": f"{name}-unconstrained"}, "measures": measures}
+            "runs": {part: f"{name}-{part}" for part in PARTS}, "measures": measures}
     (RESULTS / name).mkdir(parents=True, exist_ok=True)
     (RESULTS / name / "case.json").write_text(json.dumps(case, indent=1) + "\n")
     return 0

@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     for quant in QUANTS:
         measures[quant] = run(quant, args.methods, args.extra, runs / f"quant-{quant}")
         seconds, peak = measures[quant]["wall_s"], measures[quant]["peak_rss_mb"]
-        save(runs / f"quant-{quant}", f"quant-main-job-{quant}", {"kind": "users", "part_of": "quant-main-job"})
+        save([runs / f"quant-{quant}"], f"quant-main-job-{quant}", {"kind": "users", "part_of": "quant-main-job"})
         print(f"quant={quant}: {seconds:.0f} s, peak RSS {peak:.0f} MB")
     case = {"kind": "quant", "command": "python bench/quant.py " + " ".join(args.extra),
             "methods": args.methods, "machine": f"{os.cpu_count()}-core {platform.machine()} CPU, alone",

@@ -185,31 +185,41 @@ def compare_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
 
 def fleet_table(meta: dict, runs: dict) -> str:
     """bench/fleet.py: a job on a fleet (quant=auto: each device the base precision its budget
-    fits) beside the same job with every device unconstrained; per method and device profile, the
-    precisions the plan gave, the largest training memory against the budget, a device's seconds
-    a round at its profile's speed, and its devices' mean perplexity both ways."""
+    fits; and, where the case has it, the same with micro_batches=auto: its batches sliced first)
+    beside the same job with every device unconstrained; per method, plan and device profile, the
+    base precision and slices the plan gave, the largest training memory against the budget, a
+    device's seconds a round at its profile's speed, and its devices' mean perplexity both ways."""
     from collections import Counter
     sys.path.insert(0, str(ROOT))
     from comix.fleet import load_fleet
     budget = {p.name: p.memory_mb for p in load_fleet(meta["fleet"]).profiles}
-    fleet, free = (load_case(meta["runs"][k])[1] for k in ("fleet", "unconstrained"))
-    rows = ["| method | devices | base | training MB, max (budget) | device s a round | mean test ppl: fleet | "
-            "unconstrained | cost |", "|---|---|---|---:|---:|---:|---:|---:|"]
+    free = load_case(meta["runs"]["unconstrained"])[1]
+    plans = [(part, load_case(case)[1]) for part, case in meta["runs"].items() if part != "unconstrained"]
+    label = {"fleet": "quant=auto", "sliced": "quant=auto, micro_batches=auto"}
+    rows = ["| method | plan | devices | base, slices | training MB, max (budget) | device s a round | mean test ppl: "
+            "fleet | unconstrained | cost |", "|---|---|---|---|---:|---:|---:|---:|---:|"]
     for m in meta["methods"]:
-        on, off = (_result(next(iter(r[m].values()))) for r in (fleet, free))
-        trained = [r for r in _jsonl(next(iter(fleet[m].values())) / "metrics.jsonl") if r.get("sampled")]
-        groups = list(dict.fromkeys(r["profile"] for r in trained)) + ["all"]
-        for i, p in enumerate(groups):
-            mine = [r for r in trained if p in ("all", r["profile"])]
-            users = list(dict.fromkeys(r["user"] for r in mine))
-            a, b = (statistics.fmean(res["per_user"][u][on["metric"]] for u in users) for res in (on, off))
-            quants = Counter(next(r["quant"] for r in mine if r["user"] == u) for u in users)
-            cap = f" ({budget[p]:.0f})" if p in budget else ""
-            rows.append(f"| {meta.get('names', {}).get(m, m) if i == 0 else ''} | {p} ({len(users)}) | "
-                        f"{' / '.join(f'{q} x{n}' for q, n in quants.items())} | "
-                        f"{max(r['memory_mb'] for r in mine):.0f}{cap} | {statistics.fmean(r['device_s'] for r in mine):.1f} | "
-                        f"{a:.2f} | {b:.2f} | {100 * (a / b - 1):+.1f} % |")
+        off = _result(next(iter(free[m].values())))
+        for j, (part, fleet) in enumerate(plans):
+            on = _result(next(iter(fleet[m].values())))
+            trained = [r for r in _jsonl(next(iter(fleet[m].values())) / "metrics.jsonl") if r.get("sampled")]
+            groups = list(dict.fromkeys(r["profile"] for r in trained)) + ["all"]
+            for i, p in enumerate(groups):
+                mine = [r for r in trained if p in ("all", r["profile"])]
+                users = list(dict.fromkeys(r["user"] for r in mine))
+                a, b = (statistics.fmean(res["per_user"][u][on["metric"]] for u in users) for res in (on, off))
+                how = Counter(next((r["quant"], r.get("micro_batches", 1)) for r in mine if r["user"] == u) for u in users)
+                cap = f" ({budget[p]:.0f})" if p in budget else ""
+                rows.append(f"| {meta.get('names', {}).get(m, m) if i == j == 0 else ''} | "
+                            f"{label.get(part, part) if i == 0 else ''} | {p} ({len(users)}) | "
+                            f"{' / '.join(f'{q}{_slices(k)} x{n}' for (q, k), n in how.items())} | "
+                            f"{max(r['memory_mb'] for r in mine):.0f}{cap} | {statistics.fmean(r['device_s'] for r in mine):.1f} | "
+                            f"{a:.2f} | {b:.2f} | {100 * (a / b - 1):+.1f} % |")
     return "\n".join(rows)
+
+
+def _slices(k: int) -> str:
+    return f", {k} slices" if k > 1 else ""
 
 
 def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
