@@ -28,6 +28,7 @@ Table kinds (``case.json``'s ``kind``):
              device profile (precision planned, memory, device time, perplexity and its cost).
   compare    methods side by side over seeds: mean (std), per seed, the paired difference from
              ``reference`` with a 95 % interval, bytes a client uploads a round, parameters it trains.
+  privacy    client-level DP: each spec's clip, noise multiplier, epsilon and mean test perplexity.
   deepfusion DeepFusion's alpha sweep: alpha chosen on the server's validation documents, test per
              domain, paired differences from ``reference`` (FedKMT), the teachers' in-domain premise.
 The marker ``<!-- table: methods -->`` is the one table made from code, not results: every method
@@ -218,6 +219,30 @@ def fleet_table(meta: dict, runs: dict) -> str:
     return "\n".join(rows)
 
 
+def privacy_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
+    """Client-level DP: per method spec (in ``order``), its clip and noise multiplier (the spec's
+    ``privacy.*`` options), the epsilon its accountant reached by the last round (server.jsonl;
+    delta from the config) and its mean test perplexity, one seed or mean over seeds."""
+    sys.path.insert(0, str(ROOT))
+    from comix.specs import split_spec
+    names = meta.get("names", {})
+    order = [m for m in meta.get("order", []) if m in runs] + sorted(set(runs) - set(meta.get("order", [])))
+    delta = re.search(r"^\s*delta: ([\d.e-]+)", (RESULTS / meta["case"] / "config.yaml").read_text(), re.M)
+    rows = [f"| method | clip | noise multiplier | epsilon (delta {float(delta[1]) if delta else 1e-5:g}) | "
+            "mean test perplexity |", "|---|---|---|---|---|"]
+    for m in order:
+        name, pieces = split_spec(m)
+        options = dict(p.split("=", 1) for p in pieces)
+        eps = [next((r["epsilon"] for r in reversed(_jsonl(d / "server.jsonl")) if "epsilon" in r), None)
+               for d in runs[m].values()]
+        ppl = statistics.fmean(_result(d)["mean"] for d in runs[m].values())
+        shown = f"{ppl:.2f}" if ppl < 1e4 else f"{ppl:.1e}".replace("e+0", "e").replace("e+", "e")
+        rows.append(f"| {names.get(name, name)} | {options.get('privacy.clip', '-')} | "
+                    f"{options.get('privacy.noise_multiplier', '-')} | "
+                    f"{'no DP' if eps[0] is None else f'{statistics.fmean(eps):.3g}'} | {shown} |")
+    return "\n".join(rows)
+
+
 def _slices(k: int) -> str:
     return f", {k} slices" if k > 1 else ""
 
@@ -313,7 +338,7 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
 
 
 KINDS = {"ablation": ablation_table, "users": users_table, "quant": quant_table, "compare": compare_table,
-         "fleet": fleet_table, "deepfusion": deepfusion_table}
+         "fleet": fleet_table, "deepfusion": deepfusion_table, "privacy": privacy_table}
 
 
 def layer_speed_table(text: str) -> str:

@@ -115,3 +115,24 @@ def test_save_merges_runs_of_one_partition_keeps_the_named_methods_and_refuses_t
     with pytest.raises(SystemExit, match="split the data differently"):
         tables.save([a, other], "d", {})
     assert not (tmp_path / "results" / "d").exists()
+
+
+def test_privacy_case_reads_each_spec_s_clip_noise_and_the_epsilon_of_its_last_round(tmp_path, monkeypatch):
+    tables = _tables()
+    monkeypatch.setattr(tables, "RESULTS", tmp_path / "results")
+    case = tmp_path / "results" / "p"
+    specs = {"fedavg": (27.36, None), "fedavg:privacy.clip=1.0,privacy.noise_multiplier=0.3": (3.46e8, [61.2, 42.81])}
+    for m, (ppl, eps) in specs.items():
+        d = case / "seed42" / m.replace(":", "__")
+        d.mkdir(parents=True)
+        (d / "results.json").write_text(json.dumps({"method": m, "mean": ppl}))
+        with lzma.open(d / "server.jsonl.xz", "wt") as fh:
+            fh.write("".join(json.dumps({"round": i + 1, **({"epsilon": e} if eps else {})}) + "\n"
+                             for i, e in enumerate(eps or [0, 0])))
+    (case / "config.yaml").write_text("privacy:\n  delta: 1.0e-05\n")
+    (case / "case.json").write_text(json.dumps({"kind": "privacy", "command": "c", "machine": "m", "date": "d",
+                                                "order": list(specs), "names": {"fedavg": "FedAvg"}}))
+    out = tables.table("p")
+    assert "| method | clip | noise multiplier | epsilon (delta 1e-05) | mean test perplexity |" in out
+    assert "| FedAvg | - | - | no DP | 27.36 |" in out
+    assert "| FedAvg | 1.0 | 0.3 | 42.8 | 3.5e8 |" in out  # the last round's epsilon, not the first
