@@ -15,7 +15,10 @@ from __future__ import annotations
 import footprint  # noqa: F401  (prints wall time and peak RSS at exit)
 
 import argparse
+import datetime
 import json
+import os
+import platform
 import statistics
 import sys
 import time
@@ -30,6 +33,8 @@ SETTINGS = {  # name -> (small config, paper config, what the paper reports for 
     "topics (out-of-distribution)": ("small/topics-ood.yaml", "paper/table1-topics-ood.yaml",
                                      "OOD: 2G and FedAvg win, Local/2S lose"),
 }
+NAMES = {"pretrained": "Pretrained", "local": "Local", "fedavg": "FedAvg", "comigs-2s": "CoMiGS-2S",
+         "comigs-2g": "CoMiGS-2G", "comigs-1g1s": "CoMiGS-1G1S"}
 SMOKE = ["model=tiny-llama", "train.rounds=2", "train.local_steps=2", "train.batch_size=2", "train.seq_len=32",
          "train.tau=2", "train.router_steps=1", "train.eval_every=1", "data.valid_tokens=1024",
          "data.test_tokens=512"]
@@ -41,6 +46,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", nargs="+", type=int, default=[42])
     ap.add_argument("--methods", nargs="+", help="override the configs' method lists")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--save", action="store_true", help="save the runs as bench/results cases (the docs' Table 1)")
     args = ap.parse_args(argv)
     from comix.cli import main as comix
 
@@ -67,6 +73,22 @@ def main(argv=None) -> int:
               f"Scale {args.scale}, seeds {args.seeds}, {time.time() - started:.0f} s for this invocation."]
     (out / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    if args.scale != "smoke" and args.save:  # the docs' Table 1 (docs/comigs.md) is made from these cases
+        sys.path.insert(0, str(ROOT / "bench"))
+        from tables import RESULTS, save
+        name = f"reproduce-{args.scale}-table1"
+        cases = {}
+        for setting, (small, paper, _) in SETTINGS.items():
+            stem = Path(paper if args.scale == "paper" else small).stem
+            cases[setting] = f"{name}-{stem}"
+            save([out / stem], cases[setting], {"kind": "users", "part_of": name})
+        (RESULTS / name).mkdir(parents=True, exist_ok=True)
+        (RESULTS / name / "case.json").write_text(json.dumps({
+            "kind": "settings", "cases": cases, "order": methods, "names": NAMES,
+            "command": f"python bench/reproduce.py --scale {args.scale} --seeds {' '.join(map(str, args.seeds))}"
+                       + (f" --methods {' '.join(args.methods)}" if args.methods else ""),
+            "machine": f"{os.cpu_count()}-core {platform.machine()} CPU", "date": datetime.date.today().isoformat(),
+            "wall_s": round(time.time() - started)}, indent=1) + "\n")
     return 0
 
 

@@ -28,6 +28,7 @@ Table kinds (``case.json``'s ``kind``):
              device profile (precision planned, memory, device time, perplexity and its cost).
   compare    methods side by side over seeds: mean (std), per seed, the paired difference from
              ``reference`` with a 95 % interval, bytes a client uploads a round, parameters it trains.
+  settings   CoMiGS Table 1 across settings (bench/reproduce.py --save): one column per setting's case.
   privacy    client-level DP: each spec's clip, noise multiplier, epsilon and mean test perplexity.
   deepfusion DeepFusion's alpha sweep: alpha chosen on the server's validation documents, test per
              domain, paired differences from ``reference`` (FedKMT), the teachers' in-domain premise.
@@ -243,6 +244,18 @@ def privacy_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
     return "\n".join(rows)
 
 
+def settings_table(meta: dict, runs: dict) -> str:
+    """CoMiGS Table 1 across settings (bench/reproduce.py): per method, each setting's mean test
+    perplexity over users, mean (std) over seeds, from the setting's own case."""
+    sub = {setting: load_case(case)[1] for setting, case in meta["cases"].items()}
+    order = meta.get("order") or list(next(iter(sub.values())))
+    rows = ["| method | " + " | ".join(sub) + " |", "|---" * (len(sub) + 1) + "|"]
+    for m in order:
+        cells = [_mean_std([_result(d)["mean"] for d in by[m].values()]) if m in by else "-" for by in sub.values()]
+        rows.append(f"| {meta.get('names', {}).get(m, m)} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def _slices(k: int) -> str:
     return f", {k} slices" if k > 1 else ""
 
@@ -338,7 +351,8 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
 
 
 KINDS = {"ablation": ablation_table, "users": users_table, "quant": quant_table, "compare": compare_table,
-         "fleet": fleet_table, "deepfusion": deepfusion_table, "privacy": privacy_table}
+         "fleet": fleet_table, "deepfusion": deepfusion_table, "privacy": privacy_table,
+         "settings": settings_table}
 
 
 def layer_speed_table(text: str) -> str:

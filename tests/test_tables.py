@@ -136,3 +136,22 @@ def test_privacy_case_reads_each_spec_s_clip_noise_and_the_epsilon_of_its_last_r
     assert "| method | clip | noise multiplier | epsilon (delta 1e-05) | mean test perplexity |" in out
     assert "| FedAvg | - | - | no DP | 27.36 |" in out
     assert "| FedAvg | 1.0 | 0.3 | 42.8 | 3.5e8 |" in out  # the last round's epsilon, not the first
+
+
+def test_settings_case_puts_each_setting_s_case_in_its_column(tmp_path, monkeypatch):
+    tables = _tables()
+    monkeypatch.setattr(tables, "RESULTS", tmp_path / "results")
+    for case, scores in (("a", {"local": [10.0, 12.0], "fedavg": [20.0, 20.0]}), ("b", {"local": [5.0, 5.0]})):
+        for m, xs in scores.items():
+            for seed, x in zip((1, 2), xs):
+                d = tmp_path / "results" / case / f"seed{seed}" / m
+                d.mkdir(parents=True)
+                (d / "results.json").write_text(json.dumps({"method": m, "mean": x}))
+        (tmp_path / "results" / case / "case.json").write_text(json.dumps({"kind": "users"}))
+    (tmp_path / "results" / "t").mkdir()
+    (tmp_path / "results" / "t" / "case.json").write_text(json.dumps({
+        "kind": "settings", "cases": {"in": "a", "ood": "b"}, "order": ["local", "fedavg"], "names": {"local": "Local"},
+        "command": "c", "machine": "m", "date": "d"}))
+    out = tables.table("t")
+    assert "| method | in | ood |" in out and "| Local | 11.00 (1.00) | 5.00 (0.00) |" in out
+    assert "| fedavg | 20.00 (0.00) | - |" in out
