@@ -29,6 +29,7 @@ Table kinds (``case.json``'s ``kind``):
   compare    methods side by side over seeds: mean (std), per seed, the paired difference from
              ``reference`` with a 95 % interval, bytes a client uploads a round, parameters it trains.
   settings   CoMiGS Table 1 across settings (bench/reproduce.py --save): one column per setting's case.
+  global     DeepFusion and its baselines: each global model's scores on the server's test domains.
   privacy    client-level DP: each spec's clip, noise multiplier, epsilon and mean test perplexity.
   deepfusion DeepFusion's alpha sweep: alpha chosen on the server's validation documents, test per
              domain, paired differences from ``reference`` (FedKMT), the teachers' in-domain premise.
@@ -256,6 +257,27 @@ def settings_table(meta: dict, runs: dict) -> str:
     return "\n".join(rows)
 
 
+def global_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
+    """Global models scored on the server's test domains (DeepFusion and its baselines): per
+    method (``order``) and the dense base before distillation, the mean over domains of the answer
+    log perplexity (the paper's), the stream log perplexity, the generated answers' accuracy (%)
+    and the teacher-forced token accuracy (%), mean (std) over seeds."""
+    res = {m: [_result(d) for d in by.values()] for m, by in runs.items()}
+    order = [m for m in meta.get("order", []) if m in runs] + sorted(set(runs) - set(meta.get("order", [])))
+    cols = (("answer_log_ppl", 3, "answer log perplexity"), ("log_ppl", 3, "stream log perplexity"),
+            ("answer_acc", 2, "generated-answer accuracy %"), ("token_acc", 2, "token accuracy %"))
+    rows = ["| method | " + " | ".join(c[2] for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    first = res[order[0]]
+    for label, results, prefix in [("dense base (before distillation)", first, "test_base_"),
+                                   *((meta.get("names", {}).get(m, m), res[m], "test_") for m in order)]:
+        cells = []
+        for key, digits, _ in cols:
+            per_seed = [[row[prefix + key] for row in r["per_user"].values() if prefix + key in row] for r in results]
+            cells.append(_mean_std([statistics.fmean(xs) for xs in per_seed], digits) if all(per_seed) else "-")
+        rows.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def _slices(k: int) -> str:
     return f", {k} slices" if k > 1 else ""
 
@@ -352,7 +374,7 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
 
 KINDS = {"ablation": ablation_table, "users": users_table, "quant": quant_table, "compare": compare_table,
          "fleet": fleet_table, "deepfusion": deepfusion_table, "privacy": privacy_table,
-         "settings": settings_table}
+         "settings": settings_table, "global": global_table}
 
 
 def layer_speed_table(text: str) -> str:

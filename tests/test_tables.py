@@ -155,3 +155,20 @@ def test_settings_case_puts_each_setting_s_case_in_its_column(tmp_path, monkeypa
     out = tables.table("t")
     assert "| method | in | ood |" in out and "| Local | 11.00 (1.00) | 5.00 (0.00) |" in out
     assert "| fedavg | 20.00 (0.00) | - |" in out
+
+
+def test_global_case_scores_each_method_and_the_dense_base_over_the_domains(tmp_path, monkeypatch):
+    tables = _tables()
+    monkeypatch.setattr(tables, "RESULTS", tmp_path / "results")
+    for seed, shift in ((1, 0.0), (2, 0.2)):
+        d = tmp_path / "results" / "g" / f"seed{seed}" / "fedkmt"
+        d.mkdir(parents=True)
+        row = lambda x: {"test_answer_log_ppl": x + shift, "test_log_ppl": x + 1, "test_answer_acc": 10.0,  # noqa: E731
+                         "test_token_acc": 40.0, "test_base_answer_log_ppl": 4.0, "test_base_log_ppl": 5.0,
+                         "test_base_answer_acc": 1.0, "test_base_token_acc": 30.0}
+        (d / "results.json").write_text(json.dumps({"method": "fedkmt", "per_user": {"a": row(3.0), "b": row(3.4)}}))
+    (tmp_path / "results" / "g" / "case.json").write_text(json.dumps({"kind": "global", "command": "c", "machine": "m",
+                                                                      "date": "d", "names": {"fedkmt": "FedKMT"}}))
+    out = tables.table("g")
+    assert "| dense base (before distillation) | 4.000 (0.000) | 5.000 (0.000) | 1.00 (0.00) | 30.00 (0.00) |" in out
+    assert "| FedKMT | 3.300 (0.100) | 4.200 (0.000) | 10.00 (0.00) | 40.00 (0.00) |" in out
