@@ -29,6 +29,7 @@ Table kinds (``case.json``'s ``kind``):
   compare    methods side by side over seeds: mean (std), per seed, the paired difference from
              ``reference`` with a 95 % interval, bytes a client uploads a round, parameters it trains.
   settings   CoMiGS Table 1 across settings (bench/reproduce.py --save): one column per setting's case.
+  costs      FedAMoLE Table IV: per client and round, state, bytes, training, aggregation, test time.
   global     DeepFusion and its baselines: each global model's scores on the server's test domains.
   privacy    client-level DP: each spec's clip, noise multiplier, epsilon and mean test perplexity.
   deepfusion DeepFusion's alpha sweep: alpha chosen on the server's validation documents, test per
@@ -278,6 +279,19 @@ def global_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
     return "\n".join(rows)
 
 
+def costs_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
+    """FedAMoLE Table IV from a case's logs (comix/comparison.py ``overhead_table``): per client
+    and round, trainable state, upload / download, training, aggregation (RSEA in it) and test time."""
+    sys.path.insert(0, str(ROOT))
+    from comix.comparison import overhead_table
+    order = [m for m in meta.get("order", []) if m in runs] + sorted(set(runs) - set(meta.get("order", [])))
+    seeds = sorted({s for by in runs.values() for s in by})
+    table = overhead_table(RESULTS / meta["case"], order, seeds)
+    for m in order:  # the case's display names
+        table = table.replace(f"| {m} |", f"| {meta.get('names', {}).get(m, m)} |")
+    return table
+
+
 def _slices(k: int) -> str:
     return f", {k} slices" if k > 1 else ""
 
@@ -374,7 +388,7 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
 
 KINDS = {"ablation": ablation_table, "users": users_table, "quant": quant_table, "compare": compare_table,
          "fleet": fleet_table, "deepfusion": deepfusion_table, "privacy": privacy_table,
-         "settings": settings_table, "global": global_table}
+         "settings": settings_table, "global": global_table, "costs": costs_table}
 
 
 def layer_speed_table(text: str) -> str:

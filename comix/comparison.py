@@ -127,6 +127,11 @@ def privacy_table(results: dict[str, dict[int, dict]]) -> str:
 
 
 def _jsonl(path: Path) -> list[dict]:
+    """The records of a jsonl file, or of its xz-compressed copy (bench/results keeps logs so)."""
+    if not path.exists() and path.with_name(path.name + ".xz").exists():
+        import lzma
+        with lzma.open(path.with_name(path.name + ".xz"), "rt") as fh:
+            return [json.loads(ln) for ln in fh.read().splitlines()]
     return [json.loads(ln) for ln in path.read_text().splitlines()] if path.exists() else []
 
 

@@ -172,3 +172,19 @@ def test_global_case_scores_each_method_and_the_dense_base_over_the_domains(tmp_
     out = tables.table("g")
     assert "| dense base (before distillation) | 4.000 (0.000) | 5.000 (0.000) | 1.00 (0.00) | 30.00 (0.00) |" in out
     assert "| FedKMT | 3.300 (0.100) | 4.200 (0.000) | 10.00 (0.00) | 40.00 (0.00) |" in out
+
+
+def test_costs_case_reads_the_compressed_logs(tmp_path, monkeypatch):
+    tables = _tables()
+    monkeypatch.setattr(tables, "RESULTS", tmp_path / "results")
+    d = tmp_path / "results" / "k" / "seed1" / "fedit"
+    d.mkdir(parents=True)
+    (d / "results.json").write_text(json.dumps({"method": "fedit", "mean": 1.0}))
+    rows = [{"sampled": True, "train_s": t, "trainable_mb": 7.0, "bytes_up": 2**20, "bytes_down": 2 * 2**20}
+            for t in (2.0, 4.0)]
+    for name, lines in (("metrics.jsonl", rows), ("server.jsonl", [{"aggregate_s": 0.5}])):
+        with lzma.open(d / f"{name}.xz", "wt") as fh:
+            fh.write("".join(json.dumps(r) + "\n" for r in lines))
+    (tmp_path / "results" / "k" / "case.json").write_text(json.dumps({"kind": "costs", "command": "c", "machine": "m",
+                                                                      "date": "d", "names": {"fedit": "FedIT"}}))
+    assert "| FedIT | 7 | - | 1 | 2 | 3 | 0.5 | - | - |" in tables.table("k")
