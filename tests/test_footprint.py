@@ -52,9 +52,11 @@ def test_results_sum_what_the_devices_spent(tmp_path):
 
 def test_the_report_shows_what_each_device_spent(tmp_path):
     from comix.reporting import build_page
-    assert main(["run", *COMMON, "methods=[fedavg,comigs-1g1s]", "train.batch_size=2", f"run_dir={tmp_path}"]) == 0
+    assert main(["run", *COMMON, "methods=[fedavg,comigs-1g1s]", "train.batch_size=2", "micro_batches=[2,1,1,1]",
+                 f"run_dir={tmp_path}"]) == 0
     page = build_page(tmp_path, routing=False)
     text, images = page.markdown("files")
     section = text[text.index("## What each device spent"):]
-    assert "| fedavg | de |" in section and "| comigs-1g1s | nl |" in section and "devices.png" in images
+    assert "| fedavg | de | none, 2 slices |" in section and "| comigs-1g1s | nl | none |" in section
+    assert "devices.png" in images
     assert not page.overlaps

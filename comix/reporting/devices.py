@@ -9,7 +9,7 @@ from .records import jsonl
 
 
 def devices_section(page: Page, runs: dict[str, dict[int, Path]]) -> None:
-    per = {}  # spec -> {user: (max memory MB, MB up, tokens, dropped rounds, base precision)}
+    per = {}  # spec -> {user: (max memory MB, MB up, tokens, dropped rounds, base precision and slices)}
     for spec, by in runs.items():
         rows = [r for r in jsonl(by[min(by)] / "metrics.jsonl") if "memory_mb" in r or r.get("dropped")]
         users = list(dict.fromkeys(r["user"] for r in rows))
@@ -18,7 +18,8 @@ def devices_section(page: Page, runs: dict[str, dict[int, Path]]) -> None:
                              sum(r.get("bytes_up", 0) for r in rows if r["user"] == u) / 2**20,
                              sum(r.get("tokens", 0) for r in rows if r["user"] == u),
                              sum(1 for r in rows if r["user"] == u and r.get("dropped")),
-                             next((r["quant"] for r in rows if r["user"] == u and "quant" in r), "-")) for u in users}
+                             next((r["quant"] + (f", {r['micro_batches']} slices" if r.get("micro_batches", 1) > 1 else "")
+                                   for r in rows if r["user"] == u and "quant" in r), "-")) for u in users}
     if not per:
         return
     lines = ["| method | device | base | training memory MB (max) | MB up (sum) | tokens (sum) | rounds dropped |",
@@ -26,7 +27,8 @@ def devices_section(page: Page, runs: dict[str, dict[int, Path]]) -> None:
     for spec, by_user in per.items():
         lines += [f"| {spec} | {u} | {q} | {m:.1f} | {up:.3f} | {t:,} | {d} |" for u, (m, up, t, d, q) in by_user.items()]
     page.md("## What each device spent\n\nFirst seed, per device: the largest training memory of its rounds "
-            "(frozen base at its precision, \"base\", + trainable state + one step's activations), what it uploaded, the "
+            "(frozen base at its precision, \"base\" with the slices its batches were computed in, + trainable state + "
+            "one step's activations), what it uploaded, the "
             "tokens it trained on, and the rounds a fleet's deadline or availability left it out.\n\n"
             + "\n".join(lines))
     plt = plt_()
