@@ -252,11 +252,11 @@ def train_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, params: list[
     ``gradient_accumulation_steps``: a device whose one-step activations exceed its memory
     budget). The CE's gradient is then the whole batch's; a per-forward term such as the load
     balance becomes the slices' weighted mean. Returns the batch's CE (detached)."""
-    if micro_batches <= 1:
+    slices = [(xs, ys) for xs, ys in zip(x.chunk(micro_batches), y.chunk(micro_batches)) if (ys != -100).any()]
+    if micro_batches <= 1 or not slices:  # (a batch without targets: as unsliced, whatever that gives)
         loss = lm_loss(model, x, y)
         step_on(loss + extra() if extra else loss, params, opt, clip, scaler)
         return loss.detach()
-    slices = [(xs, ys) for xs, ys in zip(x.chunk(micro_batches), y.chunk(micro_batches)) if (ys != -100).any()]
     targets = [int((ys != -100).sum()) for _, ys in slices]
     grads, ce = None, []
     for (xs, ys), n in zip(slices, targets):
