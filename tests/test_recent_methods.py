@@ -192,14 +192,14 @@ def test_feddpa_t_trains_the_global_lora_alone_first_then_local_beside_the_froze
     algo = _algo("feddpa-t")
     ctx, state = _client(algo, model, users, 0)
     seen = []
-    real = feddpa.lm_loss
+    real = feddpa.train_step
 
-    def spy(m, x, y):
+    def spy(m, *args, **kwargs):
         layer = feddpa.pairs(m)[0]
         seen.append((tuple(layer.instance_fusion.tolist()), layer.lora.lora_A.requires_grad,
                      layer.lora_local.lora_A.requires_grad))
-        return real(m, x, y)
-    monkeypatch.setattr(feddpa, "lm_loss", spy)
+        return real(m, *args, **kwargs)
+    monkeypatch.setattr(feddpa, "train_step", spy)
     before = dict(state.adapters)
     state, up, _ = algo.client_round(ctx, state, {})
     assert _roles_moved(before, state.adapters) - {"fusion"} == {"attention_lora"}  # round 1: the global LoRA alone
