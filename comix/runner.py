@@ -26,13 +26,11 @@ def load_inputs(cfg: RunConfig):
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    # the shared base: at the run's precision, or in full precision when devices differ (quant=auto
-    # or one per client: each client's model quantises a copy, engines/inprocess.py ClientModels)
-    runtime = resolve(cfg.device, cfg.precision, cfg.compile, "none" if cfg.quant == "auto" else cfg.quant)
+    resolve(cfg.device, cfg.precision, cfg.compile, "none" if cfg.quant == "auto" else cfg.quant)  # one line if bad
     check_model_spec(cfg.model)
     corpus = load_corpus(cfg.corpus)
     shape = model_config(cfg.model)  # sizes only, no weights
-    problems = []
+    problems, full_precision_base = [], cfg.quant == "auto"
     for spec in cfg.methods:  # every method's options checked before the model loads, all problems at once
         sized = sized_option(spec)
         if sized and not cfg.fleet:
@@ -45,11 +43,10 @@ def load_inputs(cfg: RunConfig):
         if algo.privacy.secure_aggregation and cfg.engine == "inprocess":
             problems.append("privacy.secure_aggregation runs on Flower (engine=flower-sim or a deployment): the "
                             "in-process engine holds every upload in one process, there is nothing to hide them from")
-        if cfg.quant != "none" and (algo.needs_server_data or algo.device_spec(0) is not None):
-            problems.append(f"quant={cfg.quant} with {spec}: its devices train every weight of their own model "
-                            "(full fine-tuning, DeepFusion Fig. 7) and its server distils into full-precision "
-                            "students, so no frozen base is left to quantise (QLoRA's setting: adapters over a "
-                            "frozen base); use quant=none")
+        if cfg.quant != "none" and algo.quant_refusal_reason:
+            problems.append(f"quant={cfg.quant} with {spec}: {algo.quant_refusal_reason}; use quant=none")
+        if algo.device_spec(0) is not None:  # its devices build their own models from the full-precision
+            full_precision_base = True       # base and quantise those (Algorithm.quant_refusal_reason)
         if algo.needs_server_data and not cfg.data.public_frac:
             problems.append(f"{spec} needs the server's own public and test data: set data.public_frac (e.g. 0.1)")
         problems += [f"{p} (model {cfg.model})" for p in algo.check_model(shape) if f"{p} (model" not in problems]
@@ -75,6 +72,10 @@ def load_inputs(cfg: RunConfig):
             fleet_plan(cfg, spec, model, users)
     server_data = make_server_data(corpus, tok, cfg.data, public)  # None unless data.public_frac
     from .models.quant import on_device
+    # the shared base: at the run's precision, or in full precision when devices differ (quant=auto
+    # or one per client: each client's model quantises a copy, engines/inprocess.py ClientModels)
+    # or build their own models from it (device_spec: DeepFusion's devices quantise their own)
+    runtime = resolve(cfg.device, cfg.precision, cfg.compile, "none" if full_precision_base else cfg.quant)
     return on_device(model, runtime), tok, users, token_table(users), server_data
 
 

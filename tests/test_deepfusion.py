@@ -843,3 +843,54 @@ def test_device_steps_0_is_the_untrained_teacher_control_devices_send_their_star
     assert main(["compare", f"corpus={data}", f"run_dir={tmp_path / 'run'}", *DF, "deepfusion.kd_steps=1",
                  "deepfusion.tune_steps=1", "--methods", "deepfusion:device_steps=0", "deepfusion", "--seeds", "1"]) == 0
     assert same[0] == [True] * 5 and same[2] == [False] * 5
+
+
+def test_quantised_devices_train_qlora_s_way_and_upload_their_merged_model(tmp_path, monkeypatch):
+    """quant=nf4: each device trains a LoRA (rank ``qlora_r``) over its own model frozen in NF4 and
+    sends its whole model merged, under the same names: embeddings, norms and head as they
+    started, each block linear its dequantised start plus a trained edit of rank <= r. The server
+    reads it as before, and a device phase cached at full precision is not reused for it. Both
+    runs compute each device batch of 2 in 2 slices (micro_batches), as every method's loop does."""
+    pytest.importorskip("bitsandbytes")
+    import comix.algorithms.training as training
+    from comix.algorithms.deepfusion import DeepFusion
+    from comix.cli import main
+    from comix.models.quant import dequantized_weight, quantize_linear
+
+    monkeypatch.setenv("COMIX_CACHE", str(tmp_path / "cache"))
+    sent, rows_read, on_device = {}, [], []
+    real, real_loss = DeepFusion.client_round, training.lm_loss
+
+    def spy(self, ctx, state, payload):
+        on_device.append(True)
+        state, upload, metrics = real(self, ctx, state, payload)
+        on_device.clear()
+        sent[ctx.client] = (upload, metrics, self._initial[self.device_spec(ctx.client)])
+        return state, upload, metrics
+    monkeypatch.setattr(DeepFusion, "client_round", spy)
+    monkeypatch.setattr(training, "lm_loss", lambda m, x, y: (on_device and rows_read.append(len(x))) or real_loss(m, x, y))
+    data = _domains(tmp_path / "data")
+    args = [f"corpus={data}", *DF[:-1], "deepfusion.devices=[base,prune:2:32]", "deepfusion.qlora_r=2",
+            "deepfusion.device_cache=true", "methods=[deepfusion]", "micro_batches=2"]
+    assert main(["run", *args, f"run_dir={tmp_path / 'none'}"]) == 0  # fills the cache at full precision
+    assert all(m["device_base"] == "none" for _, m, _ in sent.values())
+    assert set(rows_read) == {1}  # the device steps read slices of 1 row
+    sent.clear()
+    assert main(["run", *args, "quant=nf4", f"run_dir={tmp_path / 'nf4'}"]) == 0
+    assert sorted(sent) == [0, 1, 2, 3, 4]
+    for c, (upload, metrics, start) in sent.items():
+        assert "device_cache" not in metrics and metrics["device_base"] == "nf4"
+        weights = {n[8:]: t for n, t in upload.items() if n.startswith("weights.")}
+        assert set(upload) == {f"weights.{n}" for n in weights} | {"data_embedding"}
+        block = {n for n in weights if ".layers." in n and n.endswith("_proj.weight")}
+        assert len(block) == 7 * sum(1 for n in weights if n.endswith("input_layernorm.weight"))
+        assert metrics["device_params"] == sum(2 * sum(weights[n].shape) for n in block)  # the LoRA factors
+        for n, t in weights.items():
+            if n not in block:
+                assert torch.equal(t, start[n]), n
+                continue
+            linear = torch.nn.Linear(t.shape[1], t.shape[0], bias=False)
+            linear.weight.data = start[n].float().clone()
+            edit = t - dequantized_weight(quantize_linear(linear, "nf4", torch.float32, torch.device("cpu")))
+            assert 0 < torch.linalg.matrix_rank(edit) <= 2, n
+    assert json.loads((tmp_path / "nf4" / "deepfusion" / "results.json").read_text())["metric"] == "test_ppl"

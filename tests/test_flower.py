@@ -223,20 +223,26 @@ train: {rounds: 3, local_steps: 1, batch_size: 2, seq_len: 32, clients_per_round
             assert [x.get("dropped") for x in a if x["round"] == 1] == ["deadline"] * 2 + [None] * 4
 
 
-def test_ray_simulation_of_deepfusion_equals_in_process(tmp_path):
+@pytest.mark.parametrize("quant", ["none", "nf4"])
+def test_ray_simulation_of_deepfusion_equals_in_process(tmp_path, quant):
     """A method whose devices hold different models and upload once, and whose server scores its
-    own global model: the same device uploads, server rows and global MoE on both engines."""
+    own global model: the same device uploads, server rows and global MoE on both engines; with
+    nf4 each device quantises its own model (built from the full-precision base) and trains QLoRA."""
     pytest.importorskip("ray")
     from test_deepfusion import DF, _domains
     data = _domains(tmp_path / "data")
     common = [f"corpus={data}", "methods=[deepfusion]", *DF]
+    if quant != "none":
+        pytest.importorskip("bitsandbytes")
+        common = [*common[:-1], "deepfusion.devices=[base,prune:2:32]", "deepfusion.qlora_r=2", f"quant={quant}"]
     assert main(["run", *common, f"run_dir={tmp_path / 'inproc'}"]) == 0
     assert main(["run", *common, f"run_dir={tmp_path / 'sim'}", "engine=flower-sim", "threads=2"]) == 0
     a = _rows(tmp_path / "sim" / "deepfusion" / "metrics.jsonl")
     b = _rows(tmp_path / "inproc" / "deepfusion" / "metrics.jsonl")
-    devices = [(x["user"], x["bytes_up"], x["device_model"]) for x in b if x.get("evaluated_by") != "server"]
-    assert len(devices) == 5 and devices == [(x["user"], x["bytes_up"], x["device_model"])
-                                             for x in a if x.get("evaluated_by") != "server"]
+    def devices(rows):
+        return [(x["user"], x["bytes_up"], x["device_model"], x["device_base"], round(x["train_loss"], 4))
+                for x in rows if x.get("evaluated_by") != "server"]
+    assert len(devices(b)) == 5 and devices(b) == devices(a) and {d[3] for d in devices(a)} == {quant}
     server = [(x, y) for x, y in zip(a, b) if y.get("evaluated_by") == "server"]
     assert len(server) == 3 and all(x["user"] == y["user"] for x, y in server)  # one row per domain
     for x, y in server:

@@ -86,6 +86,7 @@ def test_copies_of_an_int8_base_share_its_state_and_train_as_one_alone():
     the int8 weight's scales in the layer's state: a copy must share it, or the second copy to
     train computes without scales once the first has taken them."""
     from comix.engines.inprocess import ClientModels
+    from comix.runtime import resolve
 
     class Algo:  # two architectures, as FedAvg's and CoMiGS's
         def device_spec(self, c):
@@ -108,8 +109,9 @@ def test_copies_of_an_int8_base_share_its_state_and_train_as_one_alone():
     def second_architecture(models):
         torch.manual_seed(7)  # the same adapters' init in both cases
         return models.for_client(1).train()
-    alone = train(second_architecture(ClientModels(_quantised("int8"), Algo())))
-    models = ClientModels(_quantised("int8"), Algo())
+    int8 = resolve("cpu", "fp32", False, "int8")
+    alone = train(second_architecture(ClientModels(_quantised("int8"), Algo(), int8)))
+    models = ClientModels(_quantised("int8"), Algo(), int8)
     train(models.for_client(0).train())
     second = second_architecture(models)
     assert train(second) == pytest.approx(alone, abs=1e-5)
@@ -124,9 +126,14 @@ def test_quant_is_checked_before_anything_loads(tmp_path, capsys, monkeypatch):
     assert main(["run", "model=tiny-llama", "quant=nf3", f"run_dir={tmp_path / 'a'}"]) == 2
     assert "quant must be one of none, int8, nf4, auto (with a fleet) or one per client, got 'nf3'" in capsys.readouterr().err
     assert main(["run", "model=tiny-llama", "quant=nf4", "methods=[deepfusion]", "train.rounds=1",
-                 "data.public_frac=0.1", f"run_dir={tmp_path / 'b'}"]) == 2
-    assert "quant=nf4 with deepfusion" in capsys.readouterr().err
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+                 "data.public_frac=0.1", "deepfusion.devices=[random-gpt2:2:64]", f"run_dir={tmp_path / 'b'}"]) == 2
+    assert "quant=nf4 with deepfusion: device model(s) random-gpt2:2:64 start from random weights" \
+        in capsys.readouterr().err  # a LoRA cannot teach a random base
+    for method, why in (("fedjets", "compact MoE"), ("central-moe", "centralized reference")):
+        assert main(["run", "model=tiny-llama", "quant=int8", f"methods=[{method}]", "train.rounds=1",
+                     "data.public_frac=0.1", f"run_dir={tmp_path / 'c'}"]) == 2
+        assert f"quant=int8 with {method}: " in (err := capsys.readouterr().err) and why in err
+    assert not any((tmp_path / d).exists() for d in "abc")
 
 
 def test_a_run_on_a_quantised_base_scores_close_to_the_full_precision_one(tmp_path):
@@ -143,3 +150,63 @@ def test_a_run_on_a_quantised_base_scores_close_to_the_full_precision_one(tmp_pa
     for quant in ("nf4", "int8"):
         for m, v in means[quant].items():
             assert v == pytest.approx(means["none"][m], rel=0.03) and v != means["none"][m]
+
+
+def test_a_run_that_keeps_its_base_in_full_precision_gives_shared_base_clients_a_quantised_copy():
+    """A comparison with DeepFusion keeps the base in full precision (its devices build their own
+    models from it); a FedAvg client of the same quant=nf4 run still trains over an NF4 base."""
+    from comix.algorithms import make_algorithm
+    from comix.config import TrainConfig
+    from comix.engines.inprocess import ClientModels
+    from comix.models.quant import quant_of_base
+    from comix.runtime import resolve
+
+    base = load_base_model("tiny-llama")[0]
+    models = ClientModels(base, make_algorithm("fedavg", LoRAConfig(), TrainConfig(), 2), resolve("cpu", "fp32", False, "nf4"))
+    assert quant_of_base(models.for_client(0)) == "nf4" and quant_of_base(base) == "none"
+    assert models.base_at("nf4") is models.base_at("nf4")  # quantised once, shared by the clients
+
+
+@pytest.mark.parametrize("quant", ["nf4", "int8"])
+def test_a_device_trains_its_own_model_qlora_s_way_and_uploads_it_merged(quant):
+    """models/qlora.py: a LoRA on every block linear of a frozen quantised copy, nothing else
+    trains, and the merged weights are deq(W) + scaling * B A under the model's own names; with
+    NF4 the merged full-precision model computes what the adapted quantised one does."""
+    import dataclasses
+
+    from comix.models.lora import LoRALinear
+    from comix.models.qlora import QLORA, merged_weights, qlora_model
+
+    assert (QLORA.r, QLORA.alpha, QLORA.dropout, QLORA.scaling) == (64, 16.0, 0.1, 0.25)  # QLoRA's 7B script, alpha / r
+    model = load_base_model("tiny-llama")[0]
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    q = qlora_model(model, quant, dataclasses.replace(QLORA, r=2), torch.float32, CPU).train()
+    assert all(torch.equal(p, start[n]) for n, p in model.named_parameters())  # the device's model untouched
+    wrapped = {n: m for n, m in q.named_modules() if isinstance(m, LoRALinear)}
+    assert len(wrapped) == len(_block_linears(q)) == len(_block_linears(_quantised(quant)))  # every block linear
+    assert {n for n, p in q.named_parameters() if p.requires_grad} == \
+        {f"{w}.lora.{f}" for w in wrapped for f in ("lora_A", "lora_B")}  # the LoRA factors alone
+    opt = torch.optim.AdamW([p for p in q.parameters() if p.requires_grad], lr=1e-2)
+    x = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(3))
+    for _ in range(3):
+        loss = q(input_ids=x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    merged = merged_weights(q)
+    assert merged.keys() == start.keys()
+    for n, t in merged.items():
+        owner = n.rsplit(".", 1)[0]
+        if owner not in wrapped:
+            assert torch.equal(t, start[n]), n  # embeddings, norms and head as they were
+            continue
+        delta = t - dequantized_weight(wrapped[owner].base)
+        assert 0 < torch.linalg.matrix_rank(delta) <= 2, n  # the trained rank-2 edit, over the dequantised base
+        lora = wrapped[owner].lora
+        assert torch.allclose(delta, wrapped[owner].scaling * (lora.lora_B @ lora.lora_A), atol=1e-6)
+    if quant == "nf4":  # int8 quantises the activations too: only NF4 computes with deq(W) exactly
+        loaded = model.load_state_dict(merged, strict=False)
+        assert set(loaded.missing_keys) <= {"lm_head.weight"} and not loaded.unexpected_keys  # (tied to the embeddings)
+        with torch.no_grad():
+            want, got = q.eval()(input_ids=x).logits, model.eval()(input_ids=x).logits
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max()

@@ -25,6 +25,7 @@ class CentralMoE(DeepFusion):
     name = "central-moe"
     dp_refusal_reason = "it trains one model on every user's pooled data: there is no client upload to protect"
     pooled = True
+    quant_refusal_reason = "the centralized reference trains every weight of the global MoE on the server"
 
     def device_spec(self, client: int) -> str:
         return "central-moe"

@@ -26,6 +26,7 @@ of the same text (``models/vaa.py``).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import random
 import time
@@ -39,15 +40,17 @@ from ..data.embed import MINILM, SentenceEncoder
 from ..models.base import tokenizer_source
 from ..models.devices import build_device_model, device_layers, device_problems, parse_device_spec
 from ..models.upcycle import expert_params, upcycle
+from ..models.qlora import QLORA, merged_weights, qlora_model
 from ..models.kd import OFABranches, check_same_vocabulary, hidden_width, kd_loss
 from ..models.token_align import CrossTokenizerTeacher, reads_other_tokens, retokenize, tokenizer_at
 from ..models.vaa import ViewAlignedAttention, stage_ends
 from ..runtime import Runtime, offload, to_cpu
 from .base import Algorithm, ClientContext, ClientState, Tensors
-from .training import batch_generator, expert_lr, lm_loss, make_optimizer, step_on
+from .training import batch_generator, expert_lr, lm_loss, make_optimizer, step_on, train_step
 from .deepfusion_clusters import cluster_devices, embedding_map, proxy_teachers
 from .deepfusion_measures import gradient_shares, in_domain_scores
-from .global_moe import load_device_upload, save_device_upload, save_moe, score_on_server, train_moe_on_public
+from .global_moe import (device_key, load_device_upload, save_device_upload, save_moe, score_on_server, tensors_digest,
+                         train_moe_on_public)
 
 log = logging.getLogger("comix.deepfusion")
 
@@ -56,7 +59,13 @@ class DeepFusion(Algorithm):
     """The method (module docstring). One round: every device trains its own model (full
     fine-tuning of all its weights with the run's ``train`` settings: a randomly initialised
     device model could not learn through LoRA, and the paper's Fig. 7 measures full training)
-    and uploads it once with its data embedding; the server builds the global MoE."""
+    and uploads it once with its data embedding; the server builds the global MoE.
+
+    With ``quant`` (nf4 | int8) a device trains QLoRA's way: a LoRA (``qlora_r``, ``qlora_alpha``)
+    on every block linear of its model frozen at that precision, uploaded merged into the
+    dequantised weights (``models/qlora.py``); the optimiser and steps stay the run's ``train``.
+    Fig. 8 sizes the devices' training RAM "after bfloat16 and NF4 quantization" without saying
+    how they train; a 4-bit model trains only through adapters."""
     name = "deepfusion"
     dp_refusal_reason = ("its one-shot upload is the whole device model: client-level DP would need "
                          "sample-level DP-SGD on the device, out of scope")
@@ -71,8 +80,10 @@ class DeepFusion(Algorithm):
                  kd_lr: float = 1e-4, feature_lr: float = 1e-3, kd_batch: int = 4, tune_steps: int = 20,
                  tune_lr: float = 1e-4,
                  aux_loss_coef: float = 0.001, device_cache: bool = False, ofa_eps: float = 1.0,
-                 grad_log_every: int = 5, score_devices: bool = True, device_steps: int | None = None):
+                 grad_log_every: int = 5, score_devices: bool = True, device_steps: int | None = None,
+                 qlora_r: int = QLORA.r, qlora_alpha: float = QLORA.alpha):
         super().__init__(lora, train, n_clients)
+        self.qlora = dataclasses.replace(QLORA, r=qlora_r, alpha=qlora_alpha)  # checks r >= 1
         # the devices' local training steps (None: train.local_steps); 0 is the untrained-teacher
         # control: the server distils devices that learned nothing, which separates knowledge
         # transfer from a pull towards the starting weights
@@ -123,6 +134,13 @@ class DeepFusion(Algorithm):
     def device_spec(self, client: int) -> str:
         return self.spec_of[client]
 
+    @property
+    def quant_refusal_reason(self) -> str | None:
+        random = sorted({s for s in self.spec_of if parse_device_spec(s)[0].startswith("random-")})
+        return (f"device model(s) {', '.join(random)} start from random weights: a LoRA over a frozen random "
+                "base learns next to nothing, so a quantised device trains QLoRA's way only from a pretrained "
+                "or pruned model (deepfusion.devices)") if random else None
+
     def check_model(self, model_config) -> list[str]:
         """Every device spec against the base's sizes, and ``stages`` against every model's depth
         (the student's and each device's: stage features need a block per stage)."""
@@ -172,7 +190,11 @@ class DeepFusion(Algorithm):
         if reads_other_tokens(model, self._tokenizer_dir):
             own_tokens = retokenize(ctx.data.train, tokenizer_at(self._tokenizer_dir),
                                     tokenizer_at(model.config.comix_tokenizer))
-        params = [(n, p) for n, p in model.named_parameters()]
+        full = [(n, p) for n, p in model.named_parameters()]  # what the upload holds
+        quant = ctx.runtime.quant_of(ctx.client)
+        trained = model if quant == "none" else \
+            qlora_model(model, quant, self.qlora, ctx.runtime.dtype, ctx.runtime.device).train()
+        params = [(n, p) for n, p in trained.named_parameters() if p.requires_grad]
         opt = make_optimizer(params, ClientState(adapters={}), "model", self.train)  # fresh: one round
         scaler = ctx.runtime.grad_scaler()
         losses = []
@@ -183,49 +205,38 @@ class DeepFusion(Algorithm):
         for step in range(self.device_steps):
             for g in opt.param_groups:
                 g["lr"] = expert_lr(step, self.device_steps, self.train)
-            loss = lm_loss(model, *batch())
-            step_on(loss, [p for _, p in params], opt, self.train.grad_clip, scaler)
-            losses.append(loss.detach())
+            losses.append(train_step(trained, *batch(), [p for _, p in params], opt, self.train.grad_clip,
+                                     scaler, ctx.runtime.micro_batches_of(ctx.client)))
         if not losses:  # the untrained control: the loss it would start from, on one of its batches
             with torch.no_grad():
-                losses.append(lm_loss(model, *batch()))
+                losses.append(lm_loss(trained, *batch()))
         state.rng = gen.get_state()
         texts = self.data_texts(ctx.data.train, tokenizer_at(self._tokenizer_dir), seed=ctx.client)
         embedding = self.encoder(ctx.runtime).data_embedding(texts, self.embed_examples, seed=ctx.client)
-        upload = {**{f"weights.{n}": p.detach().to("cpu", copy=True) for n, p in params}, "data_embedding": embedding}
+        weights = {n: p.detach() for n, p in full} if trained is model else merged_weights(trained)
+        upload = {**{f"weights.{n}": weights[n].to("cpu", p.dtype, copy=True) for n, p in full},
+                  "data_embedding": embedding}
         metrics = {"train_loss": torch.stack(losses).mean().item(), "device_model": self.device_spec(ctx.client),
-                   "device_params": sum(p.numel() for _, p in params)}
+                   "device_params": sum(p.numel() for _, p in params), "device_base": quant}
         if key:
             save_device_upload(key, upload, metrics, state.rng)
         return state, upload, metrics
 
     def _device_key(self, ctx: ClientContext, state: ClientState) -> str:
-        """A digest of everything a device's one-shot phase reads: its model spec and starting
-        weights, its training data and batch RNG, the ``train`` settings, the embedding settings and
-        the runtime. DeepFusion, FedKMT and OFA-KD differ only on the server, so with
-        ``device_cache`` a comparison trains each device once (a simulation shortcut; any change
-        to these inputs is a different key and trains again)."""
-        import dataclasses
-        import hashlib
-        import json
-
-        spec = self.device_spec(ctx.client)
+        """The device cache's key (global_moe.py ``device_key``): DeepFusion, FedKMT and OFA-KD
+        differ only on the server, so with ``device_cache`` a comparison trains each device once."""
+        spec, rt = self.device_spec(ctx.client), ctx.runtime
         if spec not in self._initial_digest:
-            h = hashlib.sha256()
-            for n, t in sorted(self._initial[spec].items()):
-                h.update(n.encode())
-                h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
-            self._initial_digest[spec] = h.hexdigest()
-        h = hashlib.sha256(b"deepfusion-device-v1")
-        rt = ctx.runtime
+            self._initial_digest[spec] = tensors_digest(self._initial[spec])
         settings = {"spec": spec, "client": ctx.client, "train": dataclasses.asdict(self.train), "steps": self.device_steps,
                     "embed": [self.encoder_name, self.embed_examples, self.embed_tokens],
                     "tokenizer": str(self._tokenizer_dir), "runtime": [str(rt.device), rt.precision]}
-        h.update(json.dumps(settings, sort_keys=True, default=str).encode())
-        h.update(self._initial_digest[spec].encode())
-        h.update(ctx.data.train.contiguous().view(torch.uint8).numpy().tobytes())
-        h.update(batch_generator(state).get_state().numpy().tobytes())
-        return h.hexdigest()
+        # (only when set: the keys of full-precision, unsliced devices stay as they were)
+        if rt.quant_of(ctx.client) != "none":
+            settings["qlora"] = [rt.quant_of(ctx.client), dataclasses.asdict(self.qlora)]
+        if rt.micro_batches_of(ctx.client) != 1:
+            settings["micro_batches"] = rt.micro_batches_of(ctx.client)
+        return device_key(settings, self._initial_digest[spec], ctx.data.train, batch_generator(state).get_state())
 
     # -- server ----------------------------------------------------------------------------------
     def server_init(self, initial):

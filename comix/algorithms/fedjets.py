@@ -38,6 +38,8 @@ class FedJETS(Algorithm):
     name = "fedjets"
     section = "fedjets"
     needs_server_data = True  # the global MoE is scored on the server's test data
+    quant_refusal_reason = ("its devices train every weight of a compact MoE that the server rewrites each round "
+                            "(new experts, averaged attention): no frozen base stays on a device to quantise")
 
     def __init__(self, lora, train, n_clients, experts: int = 4, local_experts: int = 2, top_k: int = 2,
                  aux_loss_coef: float = 0.001, router_std: float = 0.02, public_steps: int = 100,

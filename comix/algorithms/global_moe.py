@@ -4,6 +4,8 @@ data by domain, saving it as a transformers (Mixtral) folder, and the cache of d
 that lets a grid train each device once."""
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 
 import torch
@@ -129,11 +131,30 @@ def device_cache_path(key: str):
     return cache_dir() / "deepfusion-devices" / f"{key}.safetensors"
 
 
+def tensors_digest(tensors: Tensors) -> str:
+    """SHA-256 of named tensors' names and bytes."""
+    h = hashlib.sha256()
+    for n, t in sorted(tensors.items()):
+        h.update(n.encode())
+        h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def device_key(settings: dict, initial_digest: str, data: torch.Tensor, rng: torch.Tensor) -> str:
+    """A digest of everything a device's one-shot phase reads: its settings (model spec, ``train``,
+    embedding, runtime), its starting weights' digest, its training data and its batch RNG. The
+    cache is a simulation shortcut: any change to these inputs is a different key and trains again."""
+    h = hashlib.sha256(b"deepfusion-device-v1")
+    h.update(json.dumps(settings, sort_keys=True, default=str).encode())
+    h.update(initial_digest.encode())
+    h.update(data.contiguous().view(torch.uint8).numpy().tobytes())
+    h.update(rng.numpy().tobytes())
+    return h.hexdigest()
+
+
 def save_device_upload(key: str, upload: Tensors, metrics: dict, rng: torch.Tensor) -> None:
     """A device's upload, metrics and batch RNG under ``$COMIX_CACHE/deepfusion-devices``
     (temp file, then rename: a killed run leaves no half-written entry)."""
-    import json
-
     from safetensors.torch import save_file
 
     tensors = {**{f"upload.{n}": t.contiguous() for n, t in upload.items()}, "rng": rng.contiguous()}
@@ -141,8 +162,6 @@ def save_device_upload(key: str, upload: Tensors, metrics: dict, rng: torch.Tens
 
 
 def load_device_upload(key: str) -> tuple[Tensors, dict, torch.Tensor] | None:
-    import json
-
     from safetensors import safe_open
 
     path = device_cache_path(key)

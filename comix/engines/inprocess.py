@@ -40,9 +40,8 @@ class ClientModels:
 
     def base_at(self, quant: str) -> nn.Module:
         """The frozen base at ``quant``: the run's own, or (a fleet whose devices differ in
-        precision) a copy of the full-precision base quantised once and shared by those clients."""
-        if isinstance(self.runtime.quant, str):  # one precision for the run: its base, as loaded
-            return self.base
+        precision, or a base the run keeps in full precision for another method's own device
+        models) a copy of the full-precision base quantised once and shared by those clients."""
         if quant not in self.bases:
             if "none" not in self.bases:
                 raise ValueError(f"a client's base at quant={quant} cannot be made from the run's "

@@ -94,7 +94,10 @@ def device_for(run: dict, context: Context, read: int, write: int) -> Device:
     quant = cfg.quant if isinstance(cfg.quant, str) else cfg.quant[client]
     micro = cfg.micro_batches if isinstance(cfg.micro_batches, int) else cfg.micro_batches[client]
     runtime = resolve(str(node.get("device", cfg.device)), cfg.precision, cfg.compile, quant, micro)
-    base = _base(cfg.model, cfg.dropout, str(node.get("device", cfg.device)), cfg.precision, quant)
+    # a device with its own model (DeepFusion's) builds it from the full-precision base and
+    # quantises that itself (Algorithm.quant_refusal_reason)
+    own = algo.device_spec(client) is not None
+    base = _base(cfg.model, cfg.dropout, str(node.get("device", cfg.device)), cfg.precision, "none" if own else quant)
     key = hashlib.sha1(f"{run['config']}|{run['method']}|{run['seed']}".encode()).hexdigest()[:12]
     state_dir = node.get("state-dir") or run.get("state_dir") or "comix-device-state"
     store = RoundStore(Path(str(state_dir)) / key, read, write)
