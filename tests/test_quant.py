@@ -22,6 +22,17 @@ def _block_linears(model):
     return [m for m in model.modules() if isinstance(m, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))]
 
 
+def _train(model, x, steps, lr) -> float:
+    """``steps`` AdamW steps of ``model``'s trainable parameters on the batch ``x``; the last loss."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    for _ in range(steps):
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return loss.item()
+
+
 @pytest.mark.parametrize("quant", ["nf4", "int8"])
 def test_a_quantised_layer_computes_with_bitsandbytes_dequantised_weight(quant):
     """NF4 dequantises the weight and multiplies in the compute dtype: equal to x W_deq^T to
@@ -97,14 +108,7 @@ def test_copies_of_an_int8_base_share_its_state_and_train_as_one_alone():
 
     def train(model):
         torch.manual_seed(1)
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-2)
-        x = torch.randint(0, 200, (4, 32), generator=torch.Generator().manual_seed(5))
-        for _ in range(5):
-            loss = model(input_ids=x, labels=x).loss
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        return loss.item()
+        return _train(model, torch.randint(0, 200, (4, 32), generator=torch.Generator().manual_seed(5)), 5, 2e-2)
 
     def second_architecture(models):
         torch.manual_seed(7)  # the same adapters' init in both cases
@@ -186,13 +190,8 @@ def test_a_device_trains_its_own_model_qlora_s_way_and_uploads_it_merged(quant):
     assert len(wrapped) == len(_block_linears(q)) == len(_block_linears(_quantised(quant)))  # every block linear
     assert {n for n, p in q.named_parameters() if p.requires_grad} == \
         {f"{w}.lora.{f}" for w in wrapped for f in ("lora_A", "lora_B")}  # the LoRA factors alone
-    opt = torch.optim.AdamW([p for p in q.parameters() if p.requires_grad], lr=1e-2)
     x = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(3))
-    for _ in range(3):
-        loss = q(input_ids=x, labels=x).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    _train(q, x, 3, 1e-2)
     merged = merged_weights(q)
     assert merged.keys() == start.keys()
     for n, t in merged.items():
