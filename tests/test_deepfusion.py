@@ -894,3 +894,11 @@ def test_quantised_devices_train_qlora_s_way_and_upload_their_merged_model(tmp_p
             edit = t - dequantized_weight(quantize_linear(linear, "nf4", torch.float32, torch.device("cpu")))
             assert 0 < torch.linalg.matrix_rank(edit) <= 2, n
     assert json.loads((tmp_path / "nf4" / "deepfusion" / "results.json").read_text())["metric"] == "test_ppl"
+    # what each device spent, measured on the model it trained: the same tokens, a smaller frozen
+    # base, and the LoRA factors alone as its trainable state (weights, gradients, AdamW's moments)
+    full, quantised = ([json.loads(x) for x in (tmp_path / run / "deepfusion" / "metrics.jsonl").read_text().splitlines()
+                        if "device_params" in x] for run in ("none", "nf4"))
+    assert len(full) == len(quantised) == 5
+    for a, b in zip(full, quantised):
+        assert b["tokens"] == a["tokens"] > 0 and b["quant"] == "nf4"
+        assert b["base_mb"] < a["base_mb"] and b["trainable_mb"] == round(b["device_params"] * 16 / 2**20, 3)

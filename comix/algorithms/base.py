@@ -107,8 +107,9 @@ class Algorithm:
         algorithm's adapters (DeepFusion: each device's own LM); None = the shared base."""
         return None
 
-    def build_device_model(self, spec: str, base: nn.Module) -> nn.Module:
-        """The model named by ``device_spec``, built the same way on every engine."""
+    def build_device_model(self, spec: str, base: nn.Module, quant: str = "none") -> nn.Module:
+        """The model named by ``device_spec``, built the same way on every engine from the
+        full-precision ``base``, for a device whose frozen weights are stored at ``quant``."""
         raise NotImplementedError(f"{self.name} names device models but cannot build {spec!r}")
 
     def check_model(self, model_config) -> list[str]:

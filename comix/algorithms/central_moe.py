@@ -30,7 +30,7 @@ class CentralMoE(DeepFusion):
     def device_spec(self, client: int) -> str:
         return "central-moe"
 
-    def build_device_model(self, spec: str, base: nn.Module) -> nn.Module:
+    def build_device_model(self, spec: str, base: nn.Module, quant: str = "none") -> nn.Module:
         dense = copy.deepcopy(base).float()
         moe = upcycle([dense] * self.k, top_k=self.top_k, seed=0, aux_loss_coef=self.aux_loss_coef)
         self._initial[spec] = {n: t.detach().to("cpu", copy=True) for n, t in moe.state_dict().items()}

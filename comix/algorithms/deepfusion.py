@@ -40,7 +40,7 @@ from ..data.embed import MINILM, SentenceEncoder
 from ..models.base import tokenizer_source
 from ..models.devices import build_device_model, device_layers, device_problems, parse_device_spec
 from ..models.upcycle import expert_params, upcycle
-from ..models.qlora import QLORA, merged_weights, qlora_model
+from ..models.qlora import QLORA, lora_layers, own_weights, qlora_model, reset_lora
 from ..models.kd import OFABranches, check_same_vocabulary, hidden_width, kd_loss
 from ..models.token_align import CrossTokenizerTeacher, reads_other_tokens, retokenize, tokenizer_at
 from ..models.vaa import ViewAlignedAttention, stage_ends
@@ -152,12 +152,15 @@ class DeepFusion(Algorithm):
         return [f"deepfusion.stages = {self.stages} exceeds the {n} blocks of {who}" for who, n in depths.items()
                 if n is not None and self.stages > n]
 
-    def build_device_model(self, spec: str, base: nn.Module) -> nn.Module:
+    def build_device_model(self, spec: str, base: nn.Module, quant: str = "none") -> nn.Module:
         model = build_device_model(spec, base, calibration_docs())
         # what a device needs of the base on any engine: its own start and the shared tokenizer
         self._initial[spec] = {n: t.detach().to("cpu", copy=True) for n, t in model.state_dict().items()}
         self._tokenizer_dir = tokenizer_source(base)
-        return model
+        if quant == "none":
+            return model
+        # computing in the device model's fp32 (autocast gives the run's precision), on the run's device
+        return qlora_model(model, quant, self.qlora, torch.float32, next(base.parameters()).device)
 
     def encoder(self, runtime: Runtime = Runtime()) -> SentenceEncoder:
         if self._encoder is None:  # one MiniLM per process, on the device that computes
@@ -165,7 +168,7 @@ class DeepFusion(Algorithm):
         return self._encoder
 
     def declared_upload(self, model: nn.Module, adapters: Tensors) -> Tensors:
-        return {**{f"weights.{n}": p.detach() for n, p in model.named_parameters()},
+        return {**{f"weights.{n}": t for n, t in own_weights(model).items()},
                 "data_embedding": torch.zeros(self.encoder().dim)}
 
     def data_texts(self, tokens: torch.Tensor, tokenizer, seed: int) -> list[str]:
@@ -183,18 +186,17 @@ class DeepFusion(Algorithm):
             upload, metrics, state.rng = cached
             return state, upload, {**metrics, "device_cache": "hit"}
         model = ctx.model
-        model.load_state_dict(self._initial[self.device_spec(ctx.client)])  # this device's own start
+        if lora_layers(model):  # QLoRA: its frozen quantised start and fresh adapters
+            reset_lora(model)
+        else:
+            model.load_state_dict(self._initial[self.device_spec(ctx.client)])  # this device's own start
         gen = batch_generator(state)
         model.train()
         own_tokens = None  # a device of another family reads its text through its own tokenizer
         if reads_other_tokens(model, self._tokenizer_dir):
             own_tokens = retokenize(ctx.data.train, tokenizer_at(self._tokenizer_dir),
                                     tokenizer_at(model.config.comix_tokenizer))
-        full = [(n, p) for n, p in model.named_parameters()]  # what the upload holds
-        quant = ctx.runtime.quant_of(ctx.client)
-        trained = model if quant == "none" else \
-            qlora_model(model, quant, self.qlora, ctx.runtime.dtype, ctx.runtime.device).train()
-        params = [(n, p) for n, p in trained.named_parameters() if p.requires_grad]
+        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         opt = make_optimizer(params, ClientState(adapters={}), "model", self.train)  # fresh: one round
         scaler = ctx.runtime.grad_scaler()
         losses = []
@@ -205,19 +207,18 @@ class DeepFusion(Algorithm):
         for step in range(self.device_steps):
             for g in opt.param_groups:
                 g["lr"] = expert_lr(step, self.device_steps, self.train)
-            losses.append(train_step(trained, *batch(), [p for _, p in params], opt, self.train.grad_clip,
+            losses.append(train_step(model, *batch(), [p for _, p in params], opt, self.train.grad_clip,
                                      scaler, ctx.runtime.micro_batches_of(ctx.client)))
         if not losses:  # the untrained control: the loss it would start from, on one of its batches
             with torch.no_grad():
-                losses.append(lm_loss(trained, *batch()))
+                losses.append(lm_loss(model, *batch()))
         state.rng = gen.get_state()
         texts = self.data_texts(ctx.data.train, tokenizer_at(self._tokenizer_dir), seed=ctx.client)
         embedding = self.encoder(ctx.runtime).data_embedding(texts, self.embed_examples, seed=ctx.client)
-        weights = {n: p.detach() for n, p in full} if trained is model else merged_weights(trained)
-        upload = {**{f"weights.{n}": weights[n].to("cpu", p.dtype, copy=True) for n, p in full},
+        upload = {**{f"weights.{n}": t.to("cpu", copy=True) for n, t in own_weights(model).items()},  # fp32
                   "data_embedding": embedding}
         metrics = {"train_loss": torch.stack(losses).mean().item(), "device_model": self.device_spec(ctx.client),
-                   "device_params": sum(p.numel() for _, p in params), "device_base": quant}
+                   "device_params": sum(p.numel() for _, p in params), "device_base": ctx.runtime.quant_of(ctx.client)}
         if key:
             save_device_upload(key, upload, metrics, state.rng)
         return state, upload, metrics

@@ -62,7 +62,7 @@ class FedJETS(Algorithm):
     def device_spec(self, client: int) -> str:
         return f"compact-moe:{self.m}"
 
-    def build_device_model(self, spec: str, base: nn.Module) -> nn.Module:
+    def build_device_model(self, spec: str, base: nn.Module, quant: str = "none") -> nn.Module:
         from transformers import MixtralForCausalLM
         return MixtralForCausalLM(moe_config(base.config, self.m, self.top_k, self.aux_loss_coef)).float().train()
 

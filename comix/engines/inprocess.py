@@ -51,12 +51,12 @@ class ClientModels:
         return self.bases[quant]
 
     def for_client(self, client: int) -> nn.Module:
-        spec = self.algorithm.device_spec(client)
-        if spec is not None:  # the client's own model (DeepFusion), one per spec: clients take turns
-            if spec not in self.models:
-                self.models[spec] = self.algorithm.build_device_model(spec, self.base).to(self.runtime.device)
-            return self.models[spec]
-        cfg, quant = self.algorithm.adapter_config(client), self.runtime.quant_of(client)
+        spec, quant = self.algorithm.device_spec(client), self.runtime.quant_of(client)
+        if spec is not None:  # the client's own model (DeepFusion), one per spec and precision: clients take turns
+            if (spec, quant) not in self.models:
+                self.models[spec, quant] = self.algorithm.build_device_model(spec, self.base, quant).to(self.runtime.device)
+            return self.models[spec, quant]
+        cfg = self.algorithm.adapter_config(client)
         key = (repr(cfg), quant)
         if key not in self.models:
             # the copy reuses the base's frozen tensors themselves (memo): no second copy in memory

@@ -37,11 +37,30 @@ def qlora_model(model: nn.Module, quant: str, cfg: LoRAConfig, compute_dtype: to
     return q
 
 
+def lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
+    """The LoRA-wrapped linears of ``model`` by name ({} for a model trained whole)."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+def reset_lora(model: nn.Module) -> None:
+    """Fresh adapters (A kaiming-uniform from torch's generator, B = 0) over the frozen base."""
+    for m in lora_layers(model).values():
+        m.lora.reset_parameters()
+
+
+def own_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What a device holds as its model, under the names of the model it was made from: its
+    parameters, or, for a model from ``qlora_model``, ``merged_weights``."""
+    if not lora_layers(model):
+        return {n: p.detach() for n, p in model.named_parameters()}
+    return merged_weights(model)
+
+
 def merged_weights(q: nn.Module) -> dict[str, torch.Tensor]:
     """The parameters of the model ``q`` was made from (its names), in fp32: each LoRA-wrapped
     linear's dequantised weight plus scaling * B A (exact: LoRA's dropout is off at inference),
     every other parameter as it is."""
-    wrapped = {n: m for n, m in q.named_modules() if isinstance(m, LoRALinear)}
+    wrapped = lora_layers(q)
     out = {}
     with torch.no_grad():
         for n, m in wrapped.items():
