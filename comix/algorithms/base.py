@@ -81,8 +81,8 @@ class Algorithm:
     dp_refusal_reason: str | None = None
     # Why a quantised frozen base (``quant``: models/quant.py) cannot serve this method (one line),
     # or None. Clients over the shared base get it quantised by the engine; a client that holds its
-    # own model (``device_spec``) gets the base in full precision and quantises its own model in
-    # ``client_round`` (DeepFusion's devices: models/qlora.py).
+    # own model (``device_spec``) gets it from ``build_device_model(spec, base, quant)``, built from
+    # the base in full precision (DeepFusion's devices: models/qlora.py).
     quant_refusal_reason: str | None = None
     # The method's own optimiser where its authors give one: these train.* keys replace comix's
     # defaults (CoMiGS App. B.1, TrainConfig) unless the user's recipe or command line sets them
