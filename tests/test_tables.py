@@ -188,3 +188,26 @@ def test_costs_case_reads_the_compressed_logs(tmp_path, monkeypatch):
     (tmp_path / "results" / "k" / "case.json").write_text(json.dumps({"kind": "costs", "command": "c", "machine": "m",
                                                                       "date": "d", "names": {"fedit": "FedIT"}}))
     assert "| FedIT | 7 | - | 1 | 2 | 3 | 0.5 | - | - |" in tables.table("k")
+
+
+def test_a_view_case_shows_the_named_methods_of_another_case_s_runs(tmp_path, monkeypatch):
+    """One run, several papers' tables: ``runs_of`` reads the other case's runs (its logs too, for
+    the costs kind), ``methods`` keeps the named specs only, and the footer names the run's folder."""
+    tables = _tables()
+    monkeypatch.setattr(tables, "RESULTS", tmp_path / "results")
+    for m, x in (("fedit", 1.0), ("flora", 2.0)):
+        d = tmp_path / "results" / "run" / "seed1" / m
+        d.mkdir(parents=True)
+        (d / "results.json").write_text(json.dumps({"method": m, "mean": x, "metric": "test_ppl"}))
+        with lzma.open(d / "metrics.jsonl.xz", "wt") as fh:
+            fh.write(json.dumps({"sampled": True, "train_s": 3.0, "trainable_mb": x, "bytes_up": 2**20,
+                                 "bytes_down": 2**20}) + "\n")
+    (tmp_path / "results" / "run" / "case.json").write_text(json.dumps(
+        {"kind": "compare", "reference": "fedit", "command": "c", "machine": "m", "date": "d"}))
+    (tmp_path / "results" / "view").mkdir()
+    (tmp_path / "results" / "view" / "case.json").write_text(json.dumps(
+        {"kind": "costs", "runs_of": "run", "methods": ["flora"], "command": "c", "machine": "m", "date": "d"}))
+    out = tables.table("view")
+    assert "| flora | 2 |" in out and "fedit" not in out
+    assert "from `bench/results/run/`" in out
+    assert "| flora |" in tables.table("run") and "| fedit |" in tables.table("run")
