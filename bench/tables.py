@@ -2,7 +2,8 @@
 
     python bench/tables.py                 # rewrite the generated tables in README.md and docs/*.md
     python bench/tables.py --check         # exit 1 (naming the block) if a doc's table differs
-    python bench/tables.py --save RUN [RUN ...] CASE   # finished runs or compare folders into bench/results/CASE/
+    python bench/tables.py --save RUN [RUN ...] CASE   # finished runs or compare folders (or a committed
+                                                       # case, to add seeds) into bench/results/CASE/
 
 A *case* is a folder ``bench/results/<case>/``: ``case.json`` (the command that made it, the
 machine, the date, the table kind), the run's ``config.yaml``, and per seed and method the run's
@@ -445,8 +446,9 @@ def render(text: str) -> str:
 
 def save(runs: list[Path], case: str, meta: dict) -> Path:
     """Finished runs' or compare folders' records, compressed, into bench/results/<case>/: one
-    folder, or several of the same data (a sweep on one seed, its choice on more seeds; their
-    partition.json must agree). ``meta["methods"]``, when given, keeps those specs only."""
+    folder, or several of the same data (a sweep on one seed, its choice on more seeds; a committed
+    case and the later seeds' run; their partition.json must agree). ``meta["methods"]``, when
+    given, keeps those specs only."""
     out = RESULTS / case
     tmp = out.with_name(f".{case}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -470,6 +472,8 @@ def save(runs: list[Path], case: str, meta: dict) -> Path:
                 if (d / name).exists():
                     with lzma.open(dest / f"{name}.xz", "wt", preset=9) as fh:
                         fh.write((d / name).read_text())
+                elif (d / f"{name}.xz").exists():  # a committed case given as a run: later seeds merge into it
+                    shutil.copy(d / f"{name}.xz", dest / f"{name}.xz")
     shutil.copy(runs[0] / "config.yaml", tmp / "config.yaml")
     if partitions:  # each client's data mixture (DeepFusion's premise table reads it)
         (tmp / "partition.json").write_text(partitions.pop())

@@ -111,6 +111,12 @@ def test_save_merges_runs_of_one_partition_keeps_the_named_methods_and_refuses_t
     assert (out / "partition.json").read_text() == '{"client0": 1}'
     with lzma.open(out / "seed62" / "fedkmt" / "metrics.jsonl.xz", "rt") as fh:
         assert fh.read() == '{"round": 1}\n'
+    # a committed case and a later seed's run merge (the case's compressed logs carried as they are)
+    later = run("later", [92], ["fedkmt"], '{"client0": 1}')
+    merged = tables.save([out, later], "c", {"kind": "deepfusion"})
+    assert sorted(str(p.parent.relative_to(merged)) for p in merged.glob("seed*/*/results.json")) == sorted(got + ["seed92/fedkmt"])
+    with lzma.open(merged / "seed62" / "fedkmt" / "metrics.jsonl.xz", "rt") as fh:
+        assert fh.read() == '{"round": 1}\n'
     other = run("o", [62], ["fedkmt"], '{"client0": 2}')
     with pytest.raises(SystemExit, match="split the data differently"):
         tables.save([a, other], "d", {})
