@@ -76,7 +76,11 @@ def load_case(case: str) -> tuple[dict, dict[str, dict[int, Path]]]:
     meta = json.loads((folder / "case.json").read_text())
     runs: dict[str, dict[int, Path]] = {}
     # ``runs_of``: this case is a view of another case's runs (one run, several papers' tables),
-    # ``methods`` the specs it shows
+    # ``methods`` the specs it shows; how the runs were made is the source case's to say, so a
+    # later seed merged into it updates every view's footnote
+    if "runs_of" in meta:
+        source = json.loads((RESULTS / meta["runs_of"] / "case.json").read_text())
+        meta = {**meta, **{k: source[k] for k in ("command", "machine", "date")}}
     for res in sorted((RESULTS / meta.get("runs_of", case)).glob("seed*/*/results.json")):
         spec = json.loads(res.read_text())["method"]
         if spec in meta.get("methods", [spec]):

@@ -198,7 +198,8 @@ def test_costs_case_reads_the_compressed_logs(tmp_path, monkeypatch):
 
 def test_a_view_case_shows_the_named_methods_of_another_case_s_runs(tmp_path, monkeypatch):
     """One run, several papers' tables: ``runs_of`` reads the other case's runs (its logs too, for
-    the costs kind), ``methods`` keeps the named specs only, and the footer names the run's folder."""
+    the costs kind), ``methods`` keeps the named specs only, and the footer names the run's folder
+    and says how the source case's runs were made (a later seed merged there updates the view)."""
     tables = _tables()
     monkeypatch.setattr(tables, "RESULTS", tmp_path / "results")
     for m, x in (("fedit", 1.0), ("flora", 2.0)):
@@ -209,11 +210,11 @@ def test_a_view_case_shows_the_named_methods_of_another_case_s_runs(tmp_path, mo
             fh.write(json.dumps({"sampled": True, "train_s": 3.0, "trainable_mb": x, "bytes_up": 2**20,
                                  "bytes_down": 2**20}) + "\n")
     (tmp_path / "results" / "run" / "case.json").write_text(json.dumps(
-        {"kind": "compare", "reference": "fedit", "command": "c", "machine": "m", "date": "d"}))
+        {"kind": "compare", "reference": "fedit", "command": "c", "machine": "m2", "date": "d2"}))
     (tmp_path / "results" / "view").mkdir()
     (tmp_path / "results" / "view" / "case.json").write_text(json.dumps(
-        {"kind": "costs", "runs_of": "run", "methods": ["flora"], "command": "c", "machine": "m", "date": "d"}))
+        {"kind": "costs", "runs_of": "run", "methods": ["flora"]}))
     out = tables.table("view")
     assert "| flora | 2 |" in out and "fedit" not in out
-    assert "from `bench/results/run/`" in out
+    assert "from `bench/results/run/` (c; m2, d2)" in out
     assert "| flora |" in tables.table("run") and "| fedit |" in tables.table("run")
