@@ -7,7 +7,8 @@ interrupted one); the combined table of mean test perplexity (users' mean; mean 
 seeds) is written to ``<out>/table.md`` and printed, next to the paper's qualitative claims.
 
   smoke  tiny random Llama, 2 rounds: checks the pipeline in seconds (not a result);
-  small  SmolLM2-135M, configs/small/{multilingual,topics-in,topics-ood}.yaml: 20-40 min per setting on 2 CPU cores;
+  small  SmolLM2-135M, configs/small/{multilingual,topics-in,topics-ood}.yaml: 22-50 min per setting on 2 CPU
+         cores (67 min in all on an Intel Xeon with AMX, 148 min on an AMD EPYC);
   paper  SmolLM2-135M at App. B.1's scale, configs/paper/table1-*.yaml (all Table 1 methods): a GPU job.
 """
 from __future__ import annotations

@@ -93,7 +93,9 @@ class ViewAlignedAttention(nn.Module):
         """L_FM (eq. 9): sum over stages of the MSE between the teacher's patch-pooled, normalised
         stage feature and the student's aligned view. A teacher that read the same text through
         its own tokenizer (other length, ``teacher_mask`` marking its real tokens) is pooled over
-        its own tokens: patch p covers the same share of the text on both sides."""
+        its own tokens: patch p is the p-th of equal windows of each side's own tokens, so the two
+        p-th windows cover about, not exactly, the same characters (two tokenizers cut a text
+        differently)."""
         total = student[0].new_zeros((), dtype=torch.float32)
         for view, t in zip(self(student, mask), teacher):
             target = pool_patches(t.float(), self.per_stage, mask if teacher_mask is None else teacher_mask)
