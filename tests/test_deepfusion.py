@@ -902,3 +902,48 @@ def test_quantised_devices_train_qlora_s_way_and_upload_their_merged_model(tmp_p
     for a, b in zip(full, quantised):
         assert b["tokens"] == a["tokens"] > 0 and b["quant"] == "nf4"
         assert b["base_mb"] < a["base_mb"] and b["trainable_mb"] == round(b["device_params"] * 16 / 2**20, 3)
+
+
+def test_a_server_phase_killed_after_a_domain_resumes_there_with_the_numbers_of_an_uninterrupted_run(tmp_path,
+                                                                                                   monkeypatch):
+    """Each distilled domain is kept (student, KD log, both RNGs) until the MoE is saved: a resume
+    distils only the domains left, and every number equals the uninterrupted run's."""
+    from comix.algorithms.deepfusion import DeepFusion
+    from comix.cli import main
+
+    calls, real = [], DeepFusion.distill
+
+    def counted(self, *a, **k):
+        calls.append(1)
+        if len(calls) == stop_at:
+            raise KeyboardInterrupt  # the session's end, during the second domain
+        return real(self, *a, **k)
+    monkeypatch.setattr(DeepFusion, "distill", counted)
+    data, stop_at = _domains(tmp_path / "data"), 0
+    args = [f"corpus={data}", *DF, "--methods", "deepfusion", "--seeds", "1"]
+    assert main(["compare", f"run_dir={tmp_path / 'a'}", *args]) == 0 and len(calls) == 3
+    calls.clear()
+    stop_at = 2
+    assert main(["compare", f"run_dir={tmp_path / 'b'}", *args]) == 130
+    method = tmp_path / "b" / "seed1" / "deepfusion"
+    assert [p.name for p in (method / "distilled").iterdir()] == ["domain0.safetensors"]  # no temp file left
+    calls.clear()
+    stop_at = 0
+    assert main(["compare", "--resume", str(tmp_path / "b")]) == 0
+    assert len(calls) == 2 and not (method / "distilled").exists()  # domains 1 and 2, then cleared
+    runs = [json.loads((tmp_path / r / "seed1" / "deepfusion" / "server.jsonl").read_text().splitlines()[0])
+            for r in "ab"]
+    assert runs[0]["kd"] == runs[1]["kd"] and runs[0]["tune"] == runs[1]["tune"]
+    results = [json.loads((tmp_path / r / "seed1" / "deepfusion" / "results.json").read_text())["per_user"]
+               for r in "ab"]
+    assert results[0] == results[1]
+    # a finished domain of other inputs (here: another alpha) is not reused
+    from comix.algorithms.global_moe import DistilledDomains
+    base = torch.nn.Linear(2, 2)
+    gen = torch.Generator().manual_seed(0)
+    one = DistilledDomains(tmp_path / "c", {"alpha": 1.0}, torch.zeros(4, dtype=torch.int32), base)
+    one.save(one.key(0, [], gen), 0, base, {"ce": 1.0}, gen)
+    assert one.load(one.key(0, [], gen), 0, base, gen) == {"ce": 1.0}
+    other = DistilledDomains(tmp_path / "c", {"alpha": 10.0}, torch.zeros(4, dtype=torch.int32), base)
+    assert other.load(other.key(0, [], gen), 0, base, gen) is None
+    assert one.load(one.key(0, [(base, 0.5)], gen), 0, base, gen) is None  # other teachers

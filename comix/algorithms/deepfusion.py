@@ -47,10 +47,10 @@ from ..models.vaa import ViewAlignedAttention, stage_ends
 from ..runtime import Runtime, offload, to_cpu
 from .base import Algorithm, ClientContext, ClientState, Tensors
 from .training import batch_generator, expert_lr, lm_loss, make_optimizer, step_on, train_step
-from .deepfusion_clusters import cluster_devices, embedding_map, proxy_teachers
+from .deepfusion_clusters import cluster_devices, embedding_map, proxy_teachers, uploaded_models
 from .deepfusion_measures import gradient_shares, in_domain_scores
-from .global_moe import (device_key, load_device_upload, save_device_upload, save_moe, score_on_server, tensors_digest,
-                         train_moe_on_public)
+from .global_moe import (DistilledDomains, device_key, load_device_upload, save_device_upload, save_moe,
+                         score_on_server, tensors_digest, train_moe_on_public)
 
 log = logging.getLogger("comix.deepfusion")
 
@@ -243,18 +243,6 @@ class DeepFusion(Algorithm):
     def server_init(self, initial):
         return {}, {c: {} for c in range(self.n_clients)}
 
-    def _device_models(self, uploads: dict[int, Tensors]) -> dict[int, nn.Module]:
-        out = {}
-        for c, up in uploads.items():
-            model = build_device_model(self.device_spec(c), self.server.base, calibration_docs())
-            missing = model.load_state_dict({n[8:]: t for n, t in up.items() if n.startswith("weights.")}, strict=False)
-            if missing.missing_keys or missing.unexpected_keys:  # only tied weights may be absent
-                tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - dict(model.named_parameters()).keys()
-                if set(missing.missing_keys) - tied or missing.unexpected_keys:
-                    raise ValueError(f"device {c}'s upload does not fit {self.device_spec(c)!r}")
-            out[c] = model.eval().requires_grad_(False)
-        return out
-
     def server_round(self, server_state, uploads: dict[int, Tensors]):
         ctx = self.server
         if ctx is None or ctx.data is None:
@@ -265,7 +253,7 @@ class DeepFusion(Algorithm):
         seconds, t0 = {}, time.perf_counter()
         emb = torch.stack([uploads[c]["data_embedding"] for c in clients])
         labels = cluster_devices(emb, self.k, seed=ctx.seed)  # Sec. IV-B
-        models = self._device_models(uploads)
+        models = uploaded_models(uploads, self.spec_of, ctx.base)
         proxies = proxy_teachers([models[c] for c in clients], labels, self.k)  # Fig. 4
         premise = in_domain_scores(models, ctx, self.train.seq_len) if self.score_devices else None  # what the teachers know
         del models
@@ -274,10 +262,16 @@ class DeepFusion(Algorithm):
         public = torch.cat(list(ctx.data.public.values()))
         gen = torch.Generator().manual_seed(ctx.seed)
         dense, kd_log = [], []
+        settings = {**{k: v for k, v in vars(self).items() if isinstance(v, (bool, int, float, str))},
+                    "train": dataclasses.asdict(self.train), "runtime": [str(ctx.runtime.device), ctx.runtime.precision]}
+        finished = DistilledDomains(ctx.out_dir, settings, public, ctx.base)  # resume after the last finished domain
         for domain in range(self.k):  # Sec. IV-C: one MoE base model per domain
             teachers, proxies[domain] = proxies[domain], []  # freed once distilled
-            student = copy.deepcopy(ctx.base).float()
-            kd_log.append(self.distill(student, [(t.to(ctx.runtime.device), w) for t, w in teachers], public, gen))
+            student, key = copy.deepcopy(ctx.base).float(), finished.key(domain, teachers, gen)
+            kd_log.append(finished.load(key, domain, student, gen))
+            if kd_log[-1] is None:
+                kd_log[-1] = self.distill(student, [(t.to(ctx.runtime.device), w) for t, w in teachers], public, gen)
+                finished.save(key, domain, student, kd_log[-1], gen)
             dense.append(offload(student))
             log.info("%s: domain %d distilled %s", self.name, domain, kd_log[-1])
         seconds["distill"], t0 = time.perf_counter() - t0, time.perf_counter()
@@ -287,6 +281,7 @@ class DeepFusion(Algorithm):
         seconds["upcycle_and_tune"] = time.perf_counter() - t0
         self.moe = moe.eval()
         save_moe(moe, ctx.out_dir / "global-moe", tokenizer_source(ctx.base))
+        finished.clear()
         state = {"domains": labels, "clients": clients, "devices": [self.device_spec(c) for c in clients],
                  "embedding_2d": embedding_map(emb),
                  "public_batches": self.k * self.kd_steps + self.tune_steps,

@@ -1,6 +1,7 @@
-"""DeepFusion's server steps 2-3 (Li et al., Sec. IV-B, Fig. 4): devices clustered into K domains
-by their data embeddings, and one proxy teacher per domain and architecture, the weight average
-of the cluster's models of that architecture (``algorithms/deepfusion.py`` uses them)."""
+"""DeepFusion's server steps 2-3 (Li et al., Sec. IV-B, Fig. 4): the devices' uploaded models
+rebuilt, devices clustered into K domains by their data embeddings, and one proxy teacher per
+domain and architecture, the weight average of the cluster's models of that architecture
+(``algorithms/deepfusion.py`` uses them)."""
 from __future__ import annotations
 
 import copy
@@ -10,6 +11,24 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..data import calibration_docs
+from ..models.devices import build_device_model
+
+
+def uploaded_models(uploads: dict[int, dict[str, torch.Tensor]], spec_of: list[str], base: nn.Module) -> dict[int, nn.Module]:
+    """Each device's model (spec ``spec_of[c]``) with the weights it uploaded, frozen; one line
+    when an upload does not fit its spec (only tied weights may be absent from it)."""
+    out = {}
+    for c, up in uploads.items():
+        model = build_device_model(spec_of[c], base, calibration_docs())
+        missing = model.load_state_dict({n[8:]: t for n, t in up.items() if n.startswith("weights.")}, strict=False)
+        if missing.missing_keys or missing.unexpected_keys:
+            tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - dict(model.named_parameters()).keys()
+            if set(missing.missing_keys) - tied or missing.unexpected_keys:
+                raise ValueError(f"device {c}'s upload does not fit {spec_of[c]!r}")
+        out[c] = model.eval().requires_grad_(False)
+    return out
 
 
 def cluster_devices(embeddings: torch.Tensor, k: int, seed: int = 0) -> list[int]:

@@ -192,3 +192,59 @@ def save_moe(moe: nn.Module, path, tokenizer_dir: str | None) -> None:
         tmp.rename(path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+class DistilledDomains:
+    """The domains a DeepFusion server phase has finished distilling, under ``<method>/distilled``:
+    each domain's dense student, its KD log and the batch and torch RNG states after it (temp file,
+    then rename). A phase killed mid-way (a session's end; 500 KD steps a domain on a GPU) resumes
+    after its last finished domain with the numbers of an uninterrupted run instead of starting
+    over. A file is used only when its key, a digest of every input of that domain's distillation
+    (the method's settings, the teachers' weights and loss weights, the public data, the student's
+    start and both RNG states before it), matches; ``clear`` removes them once the MoE is saved."""
+
+    def __init__(self, out_dir, settings: dict, public: torch.Tensor, student: nn.Module):
+        from pathlib import Path
+        self.dir = Path(out_dir) / "distilled"
+        h = hashlib.sha256(b"deepfusion-distilled-v1")
+        h.update(json.dumps(settings, sort_keys=True, default=str).encode())
+        h.update(public.contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(tensors_digest(to_cpu(student.state_dict())).encode())
+        self._inputs = h.hexdigest()
+
+    def key(self, domain: int, teachers: list[tuple[nn.Module, float]], gen: torch.Generator) -> str:
+        h = hashlib.sha256(f"{self._inputs}/{domain}".encode())
+        for teacher, weight in teachers:
+            h.update(f"{weight!r}".encode())
+            h.update(tensors_digest(to_cpu(teacher.state_dict())).encode())
+        h.update(gen.get_state().numpy().tobytes())
+        h.update(torch.get_rng_state().numpy().tobytes())
+        return h.hexdigest()
+
+    def load(self, key: str, domain: int, student: nn.Module, gen: torch.Generator) -> dict | None:
+        """The finished domain's KD log, with ``student`` and both RNGs as the distillation left
+        them; None when the domain has no file of this key."""
+        from safetensors import safe_open
+
+        path = self.dir / f"domain{domain}.safetensors"
+        if not path.exists():
+            return None
+        with safe_open(str(path), "pt") as f:
+            if f.metadata().get("key") != key:
+                return None
+            student.load_state_dict({n[len("student."):]: f.get_tensor(n) for n in f.keys() if n.startswith("student.")})
+            gen.set_state(f.get_tensor("rng.batches"))
+            torch.set_rng_state(f.get_tensor("rng.torch"))
+            return json.loads(f.metadata()["log"])
+
+    def save(self, key: str, domain: int, student: nn.Module, log: dict, gen: torch.Generator) -> None:
+        from safetensors.torch import save_file
+
+        tensors = {**{f"student.{n}": t.detach().to("cpu", copy=True) for n, t in student.state_dict().items()},
+                   "rng.batches": gen.get_state(), "rng.torch": torch.get_rng_state()}
+        atomic_write(self.dir / f"domain{domain}.safetensors",
+                     lambda p: save_file(tensors, p, metadata={"key": key, "log": json.dumps(log)}))
+
+    def clear(self) -> None:
+        import shutil
+        shutil.rmtree(self.dir, ignore_errors=True)
