@@ -8,7 +8,9 @@ training, on 16 x 256 tokens of the built-in Python docs (``topics/docs``; the c
 is ``topics/literature``, so this is held out), for the criteria in the code (blocks by Block
 Influence, FFN neurons by mean contribution on the calibration text) and for the data-free
 ones they replaced (evenly spaced blocks, first and last kept; neurons by weight norms
-||gate_i|| ||up_i|| ||down_:,i||), and the unpruned model.
+||gate_i|| ||up_i|| ||down_:,i||), and the unpruned model. Then the width-pruned specs
+prune:<layers>:<ffn>:<width> of the heterogeneous DeepFusion recipes (narrower than the
+student, so VAA has widths to bridge), by the code's criteria.
 """
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ import comix.models.prune as P  # the module: its criteria are swapped below
 from comix.models.base import tokenizer_source
 
 SPECS = [(30, 1024), (30, 768), (24, 1536), (20, 1536), (15, 1536), (15, 1024), (10, 768)]
+# the width-pruned devices of configs/deepfusion/*-hetero-*.yaml
+WIDTH_SPECS = [(30, 1536, 512), (24, 1536, 448), (20, 1536, 512), (30, 1024, 384)]
 
 
 def evenly_spaced(influence: torch.Tensor, keep: int) -> list[int]:
@@ -57,6 +61,9 @@ def main() -> None:
             row.append(loss(P.prune(base, calibration, layers, ffn)))
         P.kept_layers, P.neuron_importance = code
         print(f"prune:{layers}:{ffn:<6d} {row[0]:12.3f} {row[1]:34.3f}")
+    print("width-pruned (residual channels of largest mean |h| kept), influence + contribution:")
+    for layers, ffn, width in WIDTH_SPECS:
+        print(f"prune:{layers}:{ffn}:{width:<4d} {loss(P.prune(base, calibration, layers, ffn, width)):8.3f}")
 
 
 if __name__ == "__main__":
