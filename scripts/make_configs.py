@@ -244,12 +244,13 @@ def deepfusion_configs() -> None:
                           f"DeepFusion, {what}, N = {n} devices narrower than the student, trained 200 steps; "
                           f"VAA's alpha swept and chosen on the server's validation documents, the untrained-"
                           f"teacher control, FedKMT and CE-only; 3 seeds; {scale} scale (scripts/make_configs.py).\n"
-                          f"Run (2 cores: ~67 min of device training a seed, ~31 min a server phase, so in two "
-                          f"parts, each continued with --resume <its run_dir>):\n"
-                          f"  the sweep and the controls on one seed (~4 h): comix compare "
+                          f"Run (on a 2-core AMD EPYC, 2026-11-26: 13 min a device, ~1.7 h of device training a "
+                          f"seed, a server phase (not yet timed here) resumes after its last distilled domain; so "
+                          f"in two parts over several sessions, each continued with --resume <its run_dir>):\n"
+                          f"  the sweep and the controls on one seed: comix compare "
                           f"configs/deepfusion/{scale}-{case}-hetero-n{n}-alpha-sweep.yaml --seeds 42 run_dir=runs/df-sweep-42\n"
                           f"  the alpha of the lowest mean valid_answer_log_ppl there (results.json) against FedKMT on "
-                          f"two more seeds (~4 h): ... --seeds 62 82 --methods fedkmt deepfusion:alpha=<chosen> "
+                          f"two more seeds: ... --seeds 62 82 --methods fedkmt deepfusion:alpha=<chosen> "
                           f"run_dir=runs/df-sweep-rest", alpha_sweep(hetero, kd_steps=100, alphas=(10.0, 100.0, 1.0)))
                     # a second family with its own tokenizer (Gemma-3-270M, vocabulary 262k) beside a
                     # pruned SmolLM2: distillation across tokenizers (models/token_align.py). N = 4
