@@ -307,7 +307,7 @@ class DeepFusion(Algorithm):
         teachers with their weights; the student (``kd_lr``) and the VAA / OFA modules
         (``feature_lr``) train together. Returns the mean of each term and its value at every step
         (weighted over the teachers), which server.jsonl logs."""
-        rt, t = self.server.runtime, self.train
+        rt, t, t0 = self.server.runtime, self.train, time.perf_counter()
         student.to(rt.device).train().requires_grad_(True)
         for model in (student, *(teacher for teacher, _ in teachers)):
             layers = getattr(model.config, "num_hidden_layers", None) or model.config.n_layer
@@ -359,7 +359,8 @@ class DeepFusion(Algorithm):
         student.eval().requires_grad_(False)
         per_step = {k: [round(sum(v[i * len(teachers):(i + 1) * len(teachers)]), 4) for i in range(self.kd_steps)]
                     for k, v in log.items()}
-        out = {**{k: round(sum(v) / max(1, self.kd_steps), 4) for k, v in log.items()}, "steps": per_step}
+        out = {**{k: round(sum(v) / max(1, self.kd_steps), 4) for k, v in log.items()}, "steps": per_step,
+               "seconds": round(time.perf_counter() - t0, 2)}  # kept with the domain when a phase resumes
         if grads["step"]:
             out["grad"] = grads
         if aligned:  # the share of student steps that got a cross-tokenizer teacher's distribution
