@@ -173,11 +173,14 @@ def alpha_sweep(hetero: dict, kd_steps: int, alphas: tuple[float, ...]) -> dict:
     # FedKMT first: it trains the devices the others read from the device cache
     sweep["methods"] = ["fedkmt", *(f"deepfusion:alpha={a}" for a in alphas), "deepfusion-ce",
                         "deepfusion:device_steps=0"]
-    sweep.pop("fedjets", None)
     sweep["seeds"] = [42, 62, 82]
     sweep["train"]["local_steps"] = max(200, sweep["train"]["local_steps"])
     sweep["data"]["server_valid_docs"] = 20
     sweep["deepfusion"]["kd_steps"] = kd_steps
+    # the other baselines (ofa-kd, fedjets, central-moe) run from the same recipe by --methods:
+    # FedJETS gets DeepFusion's server data budget, K x kd_steps + tune_steps public batches
+    df = sweep["deepfusion"]
+    sweep["fedjets"]["public_steps"] = df["experts"] * kd_steps + df["tune_steps"]
     return sweep
 
 
@@ -246,12 +249,16 @@ def deepfusion_configs() -> None:
                           f"teacher control, FedKMT and CE-only; 3 seeds; {scale} scale (scripts/make_configs.py).\n"
                           f"Run (on a 2-core AMD EPYC, 2026-11-26: 13 min a device, ~1.7 h of device training a "
                           f"seed, a server phase (not yet timed here) resumes after its last distilled domain; so "
-                          f"in two parts over several sessions, each continued with --resume <its run_dir>):\n"
+                          f"in parts over several sessions, each continued with --resume <its run_dir>):\n"
                           f"  the sweep and the controls on one seed: comix compare "
                           f"configs/deepfusion/{scale}-{case}-hetero-n{n}-alpha-sweep.yaml --seeds 42 run_dir=runs/df-sweep-42\n"
                           f"  the alpha of the lowest mean valid_answer_log_ppl there (results.json) against FedKMT on "
                           f"two more seeds: ... --seeds 62 82 --methods fedkmt deepfusion:alpha=<chosen> "
-                          f"run_dir=runs/df-sweep-rest", alpha_sweep(hetero, kd_steps=100, alphas=(10.0, 100.0, 1.0)))
+                          f"run_dir=runs/df-sweep-rest\n"
+                          f"  the other baselines on one seed (OFA-KD reads the devices from the device cache; FedJETS's "
+                          f"devices take the same 200 steps over 4 rounds): ... --seeds 42 --methods ofa-kd "
+                          f"'fedjets:train.rounds=4,train.local_steps=50' central-moe run_dir=runs/df-baselines-42",
+                          alpha_sweep(hetero, kd_steps=100, alphas=(10.0, 100.0, 1.0)))
                     # a second family with its own tokenizer (Gemma-3-270M, vocabulary 262k) beside a
                     # pruned SmolLM2: distillation across tokenizers (models/token_align.py). N = 4
                     # devices (3 Gemma, 1 SmolLM2 by the assignment seed) and K = 2 to fit the CPU

@@ -3,6 +3,7 @@ cosine KMeans clustering, proxy teachers, the KD loss and the data embedding."""
 import copy
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -543,7 +544,6 @@ def test_recipes_give_fedjets_devices_the_one_shot_devices_step_budget():
     assert [p.name for p in gemma] == ["cpu-qa-open-gemma-n4.yaml"]
     assert set(load_config(str(gemma[0])).methods) == {"deepfusion", "deepfusion-ce", "fedkmt"}
     # the alpha sweep: the KD methods, alpha chosen on the server's validation documents, trained
-    # teachers and the untrained-teacher control, 3 seeds
     # teachers and the untrained-teacher control, 3 seeds; at the paper's scale (a GPU job) the same
     # question with a second family (Gemma-3-270M) among the devices
     sweep = [p for p in recipes if p.name.endswith("-alpha-sweep.yaml")]
@@ -556,6 +556,10 @@ def test_recipes_give_fedjets_devices_the_one_shot_devices_step_budget():
         assert cfg.data.server_valid_docs > 0 and cfg.train.local_steps >= 200 and len(cfg.seeds) >= 3
         assert cfg.data.public_categories == ["literature"], path.name  # public text of no test domain
         assert ("gemma3-270m" in cfg.deepfusion.devices) == path.name.startswith("paper"), path.name
+        df = cfg.deepfusion  # the other baselines from the same recipe: FedJETS on DeepFusion's budgets
+        assert cfg.fedjets.public_steps == df.experts * df.kd_steps + df.tune_steps, path.name
+        for rounds, steps in re.findall(r"fedjets:train.rounds=(\d+),train.local_steps=(\d+)", path.read_text()):
+            assert int(rounds) * int(steps) == cfg.train.local_steps, path.name
     for path in (p for p in recipes if p not in gemma + sweep):
         cfg = load_config(str(path))
         assert {split_spec(m)[0] for m in cfg.methods} == {"deepfusion", "deepfusion-ce", "fedkmt", "ofa-kd", "fedjets",
