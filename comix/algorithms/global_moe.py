@@ -196,12 +196,13 @@ def save_moe(moe: nn.Module, path, tokenizer_dir: str | None) -> None:
 
 class DistilledDomains:
     """The domains a DeepFusion server phase has finished distilling, under ``<method>/distilled``:
-    each domain's dense student, its KD log and the batch and torch RNG states after it (temp file,
-    then rename). A phase killed mid-way (a session's end; 500 KD steps a domain on a GPU) resumes
-    after its last finished domain with the numbers of an uninterrupted run instead of starting
-    over. A file is used only when its key, a digest of every input of that domain's distillation
-    (the method's settings, the teachers' weights and loss weights, the public data, the student's
-    start and both RNG states before it), matches; ``clear`` removes them once the MoE is saved."""
+    each domain's dense student, its KD log and the RNG states after it (the batch generator's and
+    torch's, CPU and CUDA; temp file, then rename). A phase killed mid-way (a session's end; 500 KD
+    steps a domain on a GPU) resumes after its last finished domain with the numbers of an
+    uninterrupted run instead of starting over. A file is used only when its key, a digest of every
+    input of that domain's distillation (the method's settings, the teachers' weights and loss
+    weights, the public data, the student's start and the RNG states before it), matches; ``clear``
+    removes them once the MoE is saved."""
 
     def __init__(self, out_dir, settings: dict, public: torch.Tensor, student: nn.Module):
         from pathlib import Path
@@ -219,6 +220,8 @@ class DistilledDomains:
             h.update(tensors_digest(to_cpu(teacher.state_dict())).encode())
         h.update(gen.get_state().numpy().tobytes())
         h.update(torch.get_rng_state().numpy().tobytes())
+        if torch.cuda.is_available():
+            h.update(torch.cuda.get_rng_state().numpy().tobytes())
         return h.hexdigest()
 
     def load(self, key: str, domain: int, student: nn.Module, gen: torch.Generator) -> dict | None:
@@ -235,13 +238,16 @@ class DistilledDomains:
             student.load_state_dict({n[len("student."):]: f.get_tensor(n) for n in f.keys() if n.startswith("student.")})
             gen.set_state(f.get_tensor("rng.batches"))
             torch.set_rng_state(f.get_tensor("rng.torch"))
+            if "rng.cuda" in f.keys():
+                torch.cuda.set_rng_state(f.get_tensor("rng.cuda"))
             return json.loads(f.metadata()["log"])
 
     def save(self, key: str, domain: int, student: nn.Module, log: dict, gen: torch.Generator) -> None:
         from safetensors.torch import save_file
 
         tensors = {**{f"student.{n}": t.detach().to("cpu", copy=True) for n, t in student.state_dict().items()},
-                   "rng.batches": gen.get_state(), "rng.torch": torch.get_rng_state()}
+                   "rng.batches": gen.get_state(), "rng.torch": torch.get_rng_state(),
+                   **({"rng.cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})}
         atomic_write(self.dir / f"domain{domain}.safetensors",
                      lambda p: save_file(tensors, p, metadata={"key": key, "log": json.dumps(log)}))
 
