@@ -910,8 +910,9 @@ def test_quantised_devices_train_qlora_s_way_and_upload_their_merged_model(tmp_p
 
 def test_a_server_phase_killed_after_a_domain_resumes_there_with_the_numbers_of_an_uninterrupted_run(tmp_path,
                                                                                                    monkeypatch):
-    """Each distilled domain is kept (student, KD log, both RNGs) until the MoE is saved: a resume
-    distils only the domains left, and every number equals the uninterrupted run's."""
+    """Each distilled domain is kept (student, KD log, both RNGs) until the MoE is scored: a resume
+    distils only the domains left (none after a kill while scoring), and every number equals the
+    uninterrupted run's."""
     from comix.algorithms.deepfusion import DeepFusion
     from comix.cli import main
 
@@ -943,6 +944,21 @@ def test_a_server_phase_killed_after_a_domain_resumes_there_with_the_numbers_of_
     results = [json.loads((tmp_path / r / "seed1" / "deepfusion" / "results.json").read_text())["per_user"]
                for r in "ab"]
     assert results[0] == results[1]
+    # killed while the server scores its MoE (the distillation all done): the resume distils nothing
+    import comix.algorithms.deepfusion as df
+    real_score = df.score_on_server
+
+    def killed_while_scoring(*a, **k):
+        monkeypatch.setattr(df, "score_on_server", real_score)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(df, "score_on_server", killed_while_scoring)
+    assert main(["compare", f"run_dir={tmp_path / 'd'}", *args]) == 130
+    method = tmp_path / "d" / "seed1" / "deepfusion"
+    assert sorted(p.name for p in (method / "distilled").iterdir()) == [f"domain{d}.safetensors" for d in range(3)]
+    calls.clear()
+    assert main(["compare", "--resume", str(tmp_path / "d")]) == 0
+    assert calls == [] and not (method / "distilled").exists()
+    assert json.loads((method / "results.json").read_text())["per_user"] == results[0]
     # a finished domain of other inputs (here: another alpha) is not reused
     from comix.algorithms.global_moe import DistilledDomains
     base = torch.nn.Linear(2, 2)

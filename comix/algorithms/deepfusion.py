@@ -128,7 +128,7 @@ class DeepFusion(Algorithm):
         self._initial: dict[str, Tensors] = {}
         self._initial_digest: dict[str, str] = {}
         self._encoder = None
-        self.moe = None
+        self.moe = self._distilled = None
 
     # -- devices ---------------------------------------------------------------------------------
     def device_spec(self, client: int) -> str:
@@ -281,7 +281,7 @@ class DeepFusion(Algorithm):
         seconds["upcycle_and_tune"] = time.perf_counter() - t0
         self.moe = moe.eval()
         save_moe(moe, ctx.out_dir / "global-moe", tokenizer_source(ctx.base))
-        finished.clear()
+        self._distilled = finished  # kept until the MoE is scored: a kill while scoring does not distil again
         state = {"domains": labels, "clients": clients, "devices": [self.device_spec(c) for c in clients],
                  "embedding_2d": embedding_map(emb),
                  "public_batches": self.k * self.kd_steps + self.tune_steps,
@@ -393,4 +393,8 @@ class DeepFusion(Algorithm):
         return {"ce_first": round(losses[0], 4), "ce_last": round(losses[-1], 4)} if losses else {}
 
     def server_evaluate(self, server_state) -> dict[str, dict] | None:
-        return None if self.moe is None else score_on_server(self.moe, self.server, self.train)
+        scores = None if self.moe is None else score_on_server(self.moe, self.server, self.train)
+        if self._distilled is not None:  # scored: the kept domains are no longer needed
+            self._distilled.clear()
+            self._distilled = None
+        return scores

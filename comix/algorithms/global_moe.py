@@ -202,7 +202,7 @@ class DistilledDomains:
     uninterrupted run instead of starting over. A file is used only when its key, a digest of every
     input of that domain's distillation (the method's settings, the teachers' weights and loss
     weights, the public data, the student's start and the RNG states before it), matches; ``clear``
-    removes them once the MoE is saved."""
+    removes them once the MoE is scored."""
 
     def __init__(self, out_dir, settings: dict, public: torch.Tensor, student: nn.Module):
         from pathlib import Path
