@@ -823,6 +823,41 @@ def test_the_server_s_validation_documents_are_its_own_held_out_public_ones_and_
         SplitConfig(server_valid_docs=2)
 
 
+def test_the_dense_base_is_scored_once_per_process_and_again_when_anything_it_reads_changes(tmp_path, monkeypatch):
+    """Every method of a comparison scores the same dense base beside its global model: the base's
+    rows are computed once per process, keyed by its weights, the test data and the settings."""
+    import copy
+    from types import SimpleNamespace
+
+    import comix.algorithms.global_moe as gm
+    from comix.algorithms.training import TrainConfig
+    from comix.data import load_corpus
+    from comix.data.splits import SplitConfig, make_server_data
+    from comix.models import load_base_model
+    from comix.runtime import Runtime
+    base, tok = load_base_model("tiny-llama")
+    server = make_server_data(load_corpus(str(_domains(tmp_path / "data"))), tok, SplitConfig(public_frac=0.34))
+    other = copy.deepcopy(base)
+    with torch.no_grad():
+        next(other.parameters()).add_(0.05)
+    calls, real = [], gm._scores
+    monkeypatch.setattr(gm, "_scores", lambda m, prefix, *a: calls.append((m, prefix)) or real(m, prefix, *a))
+    monkeypatch.setattr(gm, "_BASE_SCORES", {})
+    cfg, n = TrainConfig(seq_len=16, eval_batch_size=4, max_new_tokens=2), len(server.test)
+    ctx = SimpleNamespace(data=server, base=base, runtime=Runtime())
+    first = gm.score_on_server(other, ctx, cfg)
+    assert [p for m, p in calls if m is base] == ["test_base"] * n and [p for m, p in calls if m is other] == ["test"] * n
+    second = gm.score_on_server(base, ctx, cfg)  # another global model, the same base: not scored again
+    assert len([m for m, p in calls if p == "test_base"]) == n
+    for d in server.test:
+        assert second[d]["test_base_log_ppl"] == first[d]["test_base_log_ppl"] == second[d]["test_log_ppl"]
+        assert first[d]["test_log_ppl"] != first[d]["test_base_log_ppl"]
+    third = gm.score_on_server(base, SimpleNamespace(data=server, base=other, runtime=Runtime()), cfg)  # another base
+    assert all(third[d]["test_base_log_ppl"] == first[d]["test_log_ppl"] for d in server.test)
+    gm.score_on_server(base, ctx, TrainConfig(seq_len=32, eval_batch_size=4, max_new_tokens=2))  # other settings
+    assert len([m for m, p in calls if p == "test_base"]) == 3 * n
+
+
 def _contains(seq: list[int], window: list[int]) -> bool:
     return any(seq[i:i + len(window)] == window for i in range(len(seq) - len(window) + 1))
 

@@ -67,6 +67,43 @@ def moe_step(moe: nn.Module, x: torch.Tensor, y: torch.Tensor, params: list, opt
     return ce.detach()
 
 
+def _scores(model: nn.Module, prefix: str, tokens: torch.Tensor, pairs, server: ServerContext, train) -> dict:
+    """One model on one domain's split: stream perplexity and token accuracy, and on
+    question-answer data the answer-only perplexity and the generated answers' accuracy."""
+    row = {}
+    with server.runtime.autocast():
+        nll, n, correct = split_token_stats(model, tokens, train.seq_len, train.eval_batch_size)
+        if pairs:  # Table II: generated answers against the references; Table I's answer-only perplexity
+            row[f"{prefix}_answer_acc"] = generated_token_accuracy(
+                model, pairs, server.data.pad_id, server.data.eos_id, train.eval_batch_size, train.max_new_tokens)
+            a_nll, a_n = answer_nll(model, pairs, server.data.pad_id, train.eval_batch_size)
+            row.update({f"{prefix}_answer_ppl": math.exp(a_nll / max(1, a_n)),
+                        f"{prefix}_answer_log_ppl": a_nll / max(1, a_n)})
+    row.update({f"{prefix}_ppl": math.exp(nll / n), f"{prefix}_log_ppl": nll / n,
+                f"{prefix}_token_acc": 100.0 * correct / n})
+    return row
+
+
+# The dense base's scores by a digest of all they read: every method of a comparison scores the
+# same base on the same test data (a third of the server's scoring), so a process scores it once.
+_BASE_SCORES: dict[str, dict] = {}
+
+
+def _base_scores(server: ServerContext, train) -> dict[str, dict]:
+    h = hashlib.sha256(tensors_digest(to_cpu(server.base.state_dict())).encode())
+    h.update(json.dumps([train.seq_len, train.eval_batch_size, train.max_new_tokens, server.data.pad_id,
+                         server.data.eos_id, str(server.runtime.device), server.runtime.precision]).encode())
+    for domain, tokens in server.data.test.items():
+        h.update(domain.encode() + tokens.numpy().tobytes())
+        for q, a in server.data.answers.get(domain) or ():
+            h.update(q.numpy().tobytes() + b"/" + a.numpy().tobytes())
+    key = h.hexdigest()
+    if key not in _BASE_SCORES:
+        _BASE_SCORES[key] = {d: _scores(server.base, "test_base", tokens, server.data.answers.get(d), server, train)
+                             for d, tokens in server.data.test.items()}
+    return _BASE_SCORES[key]
+
+
 def score_on_server(model: nn.Module, server: ServerContext, train) -> dict[str, dict]:
     """A global model (and, for comparison, the dense base before distillation) on every
     domain's test data of the server: on question-answer data the answer-only perplexity and its
@@ -77,27 +114,14 @@ def score_on_server(model: nn.Module, server: ServerContext, train) -> dict[str,
     with the server's validation split (``data.server_valid_docs``) the same as ``valid_*``."""
     if server is None or server.data is None:
         raise ValueError("the global model is scored on the server's test data: set data.public_frac > 0")
-    out = {}
+    out, base = {}, _base_scores(server, train)
     for domain, test_tokens in server.data.test.items():
-        row = {}
+        row = {**_scores(model, "test", test_tokens, server.data.answers.get(domain), server, train), **base[domain]}
         # the server's validation split (data.server_valid_docs), global model only: what its own
         # settings are chosen on, never the test split
-        scored = [("test", model, test_tokens, server.data.answers.get(domain)),
-                  ("test_base", server.base, test_tokens, server.data.answers.get(domain))]
         if domain in server.data.valid:
-            scored.append(("valid", model, server.data.valid[domain], server.data.valid_answers.get(domain)))
-        for prefix, m, tokens, pairs in scored:
-            with server.runtime.autocast():
-                nll, n, correct = split_token_stats(m, tokens, train.seq_len, train.eval_batch_size)
-                if pairs:  # Table II: generated answers against the references; Table I's
-                    row[f"{prefix}_answer_acc"] = generated_token_accuracy(  # answer-only perplexity
-                        m, pairs, server.data.pad_id, server.data.eos_id, train.eval_batch_size,
-                        train.max_new_tokens)
-                    a_nll, a_n = answer_nll(m, pairs, server.data.pad_id, train.eval_batch_size)
-                    row.update({f"{prefix}_answer_ppl": math.exp(a_nll / max(1, a_n)),
-                                f"{prefix}_answer_log_ppl": a_nll / max(1, a_n)})
-            row.update({f"{prefix}_ppl": math.exp(nll / n), f"{prefix}_log_ppl": nll / n,
-                        f"{prefix}_token_acc": 100.0 * correct / n})
+            row.update(_scores(model, "valid", server.data.valid[domain], server.data.valid_answers.get(domain),
+                               server, train))
         if getattr(model.config, "num_local_experts", 0):
             with server.runtime.autocast():
                 row["expert_load"] = expert_load(model, test_tokens, train.seq_len, train.eval_batch_size)
