@@ -85,7 +85,7 @@ def _scores(model: nn.Module, prefix: str, tokens: torch.Tensor, pairs, server: 
 
 
 # The dense base's scores by a digest of all they read: every method of a comparison scores the
-# same base on the same test data (a third of the server's scoring), so a process scores it once.
+# same base on the same test data (generation included: minutes on a CPU), so a process scores it once.
 _BASE_SCORES: dict[str, dict] = {}
 
 
