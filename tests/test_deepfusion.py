@@ -640,7 +640,7 @@ def test_distillation_optimises_the_weighted_sum_over_proxies_with_fm_and_vaa_at
     checked = []
     real_step = module.step_on
 
-    def spy(loss, params, opt, clip, scaler=None):
+    def spy(loss, params, opt, clip, scaler=None, measure=None):
         x = batches[-1][0]
         with torch.no_grad():
             s_out = student(input_ids=x.long(), output_hidden_states=True)
@@ -651,7 +651,7 @@ def test_distillation_optimises_the_weighted_sum_over_proxies_with_fm_and_vaa_at
         groups = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
         assert all(groups[id(p)] == 1e-3 for v in vaas for p in v.parameters())      # VAA is optimised ...
         assert all(groups[id(p)] == 1e-4 for p in student.parameters())              # ... at its own lr
-        real_step(loss, params, opt, clip, scaler)
+        real_step(loss, params, opt, clip, scaler, measure)
 
     batches, vaas = [], []
     real_sample, real_feature = module.sample_batch, algo._feature_module
@@ -784,6 +784,39 @@ def test_gradient_shares_are_each_kd_term_s_gradient_norm_on_the_student():
     gradient_shares(parts, [w], log, step=7)
     assert log["step"] == [7] and log["ce"] == [[5.0, 0.25]] and log["fm"] == [[15.0, 0.75]] and log["kl"] == [[0.0, 0.0]]
     assert log["cos_fm_rest"] == [pytest.approx(-1.0)]
+
+
+def test_gradient_shares_read_ce_s_gradient_off_the_step_s_own_backward_pass(monkeypatch):
+    """Given the whole loss's gradient (the KD step's backward), CE's is the whole minus FM's and
+    KL's: the same log as three backward passes, with two."""
+    from comix.algorithms.deepfusion_measures import gradient_shares
+    w = torch.nn.Parameter(torch.ones(4))
+    x, z = torch.tensor([1.0, 2.0, 2.0, 4.0]), torch.tensor([0.0, 1.0, -1.0, 3.0])
+    parts = {"ce": (w * x).sum(), "fm": -3 * (w * x).sum() + (w * z).sum(), "kl": (w * w * z).sum()}
+    whole = torch.autograd.grad(sum(parts.values()), [w], retain_graph=True)
+    three, two = ({"step": [], "ce": [], "fm": [], "kl": [], "cos_fm_rest": []} for _ in range(2))
+    gradient_shares(parts, [w], three, step=1)
+    calls, real_grad = [], torch.autograd.grad
+    monkeypatch.setattr(torch.autograd, "grad", lambda *a, **k: calls.append(1) or real_grad(*a, **k))
+    gradient_shares(parts, [w], two, step=1, whole=list(whole))
+    assert len(calls) == 2 and three["ce"] == [[5.0, pytest.approx(three["ce"][0][1])]]
+    assert two == {k: [pytest.approx(v, abs=1e-6) for v in vs] for k, vs in three.items()}
+
+
+def test_logging_the_gradient_shares_leaves_distillation_unchanged():
+    """The step's backward pass serves the measurement: a run logging every step trains the student
+    to the same weights as one logging none."""
+    students = []
+    for every in (1, 0):
+        algo, student = _deepfusion(alpha=0.7, beta=1.3, grad_log_every=every), _llama(seed=0)
+        teachers = [(_llama(seed=3, layers=2), 0.25), (_llama(seed=4, layers=2), 0.75)]
+        public = torch.randint(0, 97, (400,), generator=torch.Generator().manual_seed(2))
+        log = algo.distill(student, teachers, public, torch.Generator().manual_seed(0))
+        assert len(log.get("grad", {}).get("step", [])) == (2 if every else 0)
+        students.append(student.state_dict())
+    assert all(torch.equal(students[0][k], students[1][k]) for k in students[0])
+    assert not torch.equal(students[0]["model.layers.0.mlp.down_proj.weight"],
+                           _llama(seed=0).state_dict()["model.layers.0.mlp.down_proj.weight"])
 
 
 def test_the_server_s_validation_documents_are_its_own_held_out_public_ones_and_score_as_valid(tmp_path):

@@ -353,9 +353,9 @@ class DeepFusion(Algorithm):
                         parts[k] = parts[k] + w * coef * terms[k]
                     for k in log:
                         log[k].append(w * float(terms[k].detach()))
-            if self.grad_log_every and j % self.grad_log_every == 0:
-                gradient_shares(parts, student_params, grads, j + 1)
-            step_on(total, params, opt, t.grad_clip, scaler)
+            measure = (lambda g: gradient_shares(parts, student_params, grads, j + 1, whole=g[:len(student_params)])) \
+                if self.grad_log_every and j % self.grad_log_every == 0 else None  # the step's backward serves it too
+            step_on(total, params, opt, t.grad_clip, scaler, measure=measure)
         student.eval().requires_grad_(False)
         per_step = {k: [round(sum(v[i * len(teachers):(i + 1) * len(teachers)]), 4) for i in range(self.kd_steps)]
                     for k, v in log.items()}

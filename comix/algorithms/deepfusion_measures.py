@@ -12,18 +12,26 @@ from ..models.base import tokenizer_source
 from ..models.token_align import reads_other_tokens, retokenize, tokenizer_at
 
 
-def gradient_shares(parts: dict[str, torch.Tensor], params: list[nn.Parameter], log: dict, step: int) -> None:
+def gradient_shares(parts: dict[str, torch.Tensor], params: list[nn.Parameter], log: dict, step: int,
+                    whole: list[torch.Tensor] | None = None) -> None:
     """Each weighted KD term's gradient norm on the student's parameters (CE, alpha * FM, beta *
     KL, summed over the teachers), its share of the three norms, and the cosine between the FM
-    gradient and the CE + KL one, appended to ``log`` (server.jsonl's ``kd[..]["grad"]``)."""
+    gradient and the CE + KL one, appended to ``log`` (server.jsonl's ``kd[..]["grad"]``).
+    ``whole``: the gradient of the parts' sum on ``params`` (the KD step's own backward pass), so
+    CE's is that minus the others' and costs no backward pass of its own (a backward of the whole
+    student is a third of a KD step)."""
     flat = {}
     for k, term in parts.items():
         if not term.requires_grad:  # FM is absent for the logit-only methods
             flat[k] = None
             continue
+        if k == "ce" and whole is not None:
+            continue
         g = torch.autograd.grad(term, params, retain_graph=True, allow_unused=True)
         flat[k] = torch.cat([(x if x is not None else torch.zeros_like(p)).reshape(-1).float()
                              for x, p in zip(g, params)])
+    if whole is not None and parts["ce"].requires_grad:
+        flat["ce"] = torch.cat([g.reshape(-1).float() for g in whole]) - sum(v for v in flat.values() if v is not None)
     norms = {k: float(v.norm()) if v is not None else 0.0 for k, v in flat.items()}
     total = sum(norms.values()) or 1.0
     log["step"].append(step)

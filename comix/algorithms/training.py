@@ -209,16 +209,22 @@ def keep_optimizer(state: ClientState, key: str, opt: torch.optim.Optimizer, tra
 
 
 def step_on(loss: torch.Tensor, params: list[nn.Parameter], opt: torch.optim.Optimizer, clip: float,
-            scaler: "torch.amp.GradScaler | None" = None) -> None:
+            scaler: "torch.amp.GradScaler | None" = None, measure=None) -> None:
     """Gradients of ``loss`` w.r.t. ``params`` only (torch.autograd.grad), so no other
     parameter receives or keeps a gradient: the router step cannot leak validation data into
     experts and router gradients cannot accumulate between updates (DESIGN.md's reference bugs).
-    ``scaler``: fp16's dynamic loss scale (a step with inf/NaN gradients is skipped)."""
-    apply_step(params, _gradients(loss, params, scaler), opt, clip, scaler)
+    ``scaler``: fp16's dynamic loss scale (a step with inf/NaN gradients is skipped).
+    ``measure(grads)``, if given, reads the (unscaled) gradients before the step while the graph is
+    still there, so a measurement of the loss's parts can reuse the step's own backward pass."""
+    grads = _gradients(loss, params, scaler, retain_graph=measure is not None)
+    if measure is not None:
+        measure([g / scaler.get_scale() for g in grads] if scaler else grads)
+    apply_step(params, grads, opt, clip, scaler)
 
 
-def _gradients(loss: torch.Tensor, params: list[nn.Parameter], scaler) -> list[torch.Tensor]:
-    grads = torch.autograd.grad(scaler.scale(loss) if scaler else loss, params, allow_unused=True)
+def _gradients(loss: torch.Tensor, params: list[nn.Parameter], scaler, retain_graph: bool = False) -> list[torch.Tensor]:
+    grads = torch.autograd.grad(scaler.scale(loss) if scaler else loss, params, allow_unused=True,
+                                retain_graph=retain_graph)
     return [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
 
 
