@@ -314,7 +314,9 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
     the chosen spec standing for every swept one, the dense base before distillation as a row;
     (3) each method minus ``reference`` (FedKMT), paired over seeds, with a 95 % interval per domain
     and overall; (4) the premise: each device's log perplexity per character on its own dominant
-    domain (partition.json) against the student's, from the reference's server.jsonl."""
+    domain (partition.json) against the student's, from the reference's server.jsonl; (5) per
+    domain, the teachers' mean and best edge there beside what the reference moved from the dense
+    base and what the chosen spec moved beyond the reference."""
     ref, names, sweep = meta.get("reference", "fedkmt"), meta.get("names", {}), meta["sweep"]
     res = {m: {s: _result(d) for s, d in by.items()} for m, by in runs.items()}
     seeds = sorted({s for by in res.values() for s in by})
@@ -382,6 +384,7 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
             "the student's before distillation (lower is better):", "",
             "| seed | device | model | dominant domain (share) | device | student | device minus student |",
             "|---|---|---|---|---:|---:|---:|"]
+    gaps: dict[str, list[float]] = {d: [] for d in domains}  # device minus student on its own domain
     for s in seeds:
         row = _jsonl(runs[ref][s] / "server.jsonl")[0]
         known = row.get("in_domain", {})
@@ -391,8 +394,22 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
                 continue
             dom = max(mix, key=mix.get)
             dev, stu = known["devices"][str(c)][dom], known["student"][dom]
+            gaps.setdefault(dom, []).append(dev - stu)
             out.append(f"| {s if i == 0 else ''} | client{c} | {model} | {dom} ({mix[dom]:.2f}) | {dev:.4f} | "
                        f"{stu:.4f} | {dev - stu:+.4f} |")
+    # where the teachers know their domain better than the student, does distillation (and VAA
+    # beyond the logits) gain more there? The premise set beside what each method moved, per domain.
+    out += ["", f"Per domain: the teachers' edge (device minus student above; negative: the device knows the domain "
+            f"better) beside what distillation moved on it (test {what}, means over the seeds):", "",
+            f"| domain | devices dominant in it | their mean edge | best edge | {names.get(ref, ref)} minus the dense "
+            f"base | {names.get(chosen, chosen)} minus {names.get(ref, ref)} |", "|---|---:|---:|---:|---:|---:|"]
+    both = [s for s in seeds if s in res[chosen]]
+    for d in domains:
+        g = gaps.get(d, [])
+        moved = statistics.fmean(score(r, domain=d) - base[s]["per_user"][d][f"test_{key}"] for s, r in res[ref].items())
+        vaa = statistics.fmean(score(res[chosen][s], domain=d) - score(res[ref][s], domain=d) for s in both)
+        out.append(f"| {d} | {len(g)} | " + (f"{statistics.fmean(g):+.4f} | {min(g):+.4f}" if g else "- | -")
+                   + f" | {moved:+.3f} | {vaa:+.3f} |")
     return "\n".join(out)
 
 

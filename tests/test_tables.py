@@ -68,7 +68,7 @@ def test_deepfusion_case_chooses_vaa_s_weight_on_validation_and_pairs_against_fe
                       "test_base_answer_log_ppl": 9.0, "test_base_log_ppl": 9.5} for dom, x in per.items()}}))
             with lzma.open(d / "server.jsonl.xz", "wt") as fh:
                 fh.write(json.dumps({"kd": [{"grad": grad}], "clients": [0, 1], "devices": ["base", "prune:2:32"],
-                                     "in_domain": {"devices": {"0": {"a": 1.0, "b": 2.0}, "1": {"a": 1.5, "b": 0.5}},
+                                     "in_domain": {"devices": {"0": {"a": 1.0, "b": 2.0}, "1": {"a": 1.5, "b": 0.4 + seed / 10}},
                                                    "student": {"a": 1.25, "b": 1.0}}}) + "\n")
     (case / "partition.json").write_text(json.dumps({"client0": {"mixture": {"a": 0.9, "b": 0.1}},
                                                      "client1": {"mixture": {"a": 0.2, "b": 0.8}}}))
@@ -85,6 +85,10 @@ def test_deepfusion_case_chooses_vaa_s_weight_on_validation_and_pairs_against_fe
     assert "| fedkmt | 3.100 (0.082) | 4.100 (0.082) | 3.600 (0.082) | 1.00 (0.00) | 4.600 (0.082) |" in out
     assert "| 1 | client0 | base | a (0.90) | 1.0000 | 1.2500 | -0.2500 |" in out
     assert "|  | client1 | prune:2:32 | b (0.80) | 0.5000 | 1.0000 | -0.5000 |" in out
+    # per domain: the teachers' edge over the seeds (b: -0.5, -0.4, -0.3) beside FedKMT minus the base
+    # (3.1 - 9 on a, 4.1 - 9 on b) and the chosen spec minus FedKMT
+    assert "| a | 3 | -0.2500 | -0.2500 | -5.900 | -0.133 |" in out
+    assert "| b | 3 | -0.4000 | -0.5000 | -4.900 | -0.133 |" in out
 
 
 def test_save_merges_runs_of_one_partition_keeps_the_named_methods_and_refuses_two_partitions(tmp_path, monkeypatch):
