@@ -310,7 +310,8 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
     """DeepFusion against its baselines with VAA's weight chosen on the server's validation
     documents (``valid_*``, never test): (1) the sweep: each swept spec's validation and test
     score, the feature term's share of the student's gradient norm and the cosine of its gradient
-    with CE + KL's (server.jsonl ``kd[..]["grad"]``); (2) test per domain, mean (std) over seeds,
+    with CE + KL's (server.jsonl ``kd[..]["grad"]``), its KD CE and KL minus the reference's on the
+    same batches early and late in each domain's steps; (2) test per domain, mean (std) over seeds,
     the chosen spec standing for every swept one, the dense base before distillation as a row;
     (3) each method minus ``reference`` (FedKMT), paired over seeds, with a 95 % interval per domain
     and overall; (4) the premise: each device's log perplexity per character on its own dominant
@@ -336,18 +337,36 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
         cos = [x for g in rows for x in g["cos_fm_rest"]]
         return (f"{statistics.fmean(share):.3f}" if share else "-", f"{statistics.fmean(cos):+.3f}" if cos else "-")
 
+    def drift(m: str, term: str) -> tuple[str, str]:
+        """The spec's KD term minus the reference's on the same batches (the batch RNG is shared), in
+        the first and the last fifth of each domain's steps, averaged over domains and seeds: does
+        the gap close with more steps?"""
+        first, last = [], []
+        for s, d in runs[m].items():
+            if s not in runs[ref]:
+                continue
+            for a, b in zip(_jsonl(d / "server.jsonl")[0]["kd"], _jsonl(runs[ref][s] / "server.jsonl")[0]["kd"]):
+                xs = [u - v for u, v in zip(a["steps"][term], b["steps"][term])]
+                fifth = max(1, len(xs) // 5)
+                first.append(statistics.fmean(xs[:fifth]))
+                last.append(statistics.fmean(xs[-fifth:]))
+        return (f"{statistics.fmean(first):+.3f}", f"{statistics.fmean(last):+.3f}") if first else ("-", "-")
+
     # on the seeds every swept spec ran (a sweep may run on one seed, the chosen spec on all)
     shared = sorted(set.intersection(*(set(res[m]) for m in sweep)))
     chosen = min(sweep, key=lambda m: statistics.fmean(score(res[m][s], "valid") for s in shared))
     out = [f"Chosen on the server's validation documents: {names.get(chosen, chosen)} (the lowest mean validation "
            f"{what} over seed{'s' if len(shared) > 1 else ''} {', '.join(map(str, shared))}; test played no part).", "",
            f"| swept | validation {what}, mean (std) | test {what}, mean (std) | feature term's share of the "
-           "student's gradient | cosine of its gradient with CE + KL's |", "|---|---|---|---:|---:|"]
+           f"student's gradient | cosine of its gradient with CE + KL's | KD's CE minus {names.get(ref, ref)}'s on "
+           "the same batches, first / last fifth of the steps | KL minus its, first / last fifth |",
+           "|---|---|---|---:|---:|---:|---:|"]
     for m in sweep:
         share, cos = grad(m)
         out.append(f"| {names.get(m, m)}{' (chosen)' if m == chosen else ''} | "
                    f"{_mean_std([score(r, 'valid') for r in res[m].values()], 3)} | "
-                   f"{_mean_std([score(r) for r in res[m].values()], 3)} | {share} | {cos} |")
+                   f"{_mean_std([score(r) for r in res[m].values()], 3)} | {share} | {cos} | "
+                   + " / ".join(drift(m, "ce")) + " | " + " / ".join(drift(m, "kl")) + " |")
     order = [m for m in meta.get("order", runs) if m in runs]
     first_swept = next(i for i, m in enumerate(order) if m in sweep)
     order = [m for m in order[:first_swept] if m not in sweep] + [chosen] + \

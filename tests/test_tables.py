@@ -58,6 +58,10 @@ def test_deepfusion_case_chooses_vaa_s_weight_on_validation_and_pairs_against_fe
               "deepfusion:alpha=1.0": ([2.9, 3.0, 3.0], [2.0, 2.0, 2.0]),
               "deepfusion:alpha=10.0": ([1.0, 1.0, 1.0], [2.5, 2.5, 2.5])}
     grad = {"step": [1], "ce": [[1.0, 0.5]], "fm": [[1.0, 0.25]], "kl": [[1.0, 0.25]], "cos_fm_rest": [-0.5]}
+    # 10 KD steps: CE above FedKMT's by `early` in the first two (a fifth), by `late` in the last two
+    steps = {m: {"ce": [3.0 + early] * 2 + [3.0] * 6 + [3.0 + late] * 2, "kl": [1.0 + kl] * 10}
+             for m, early, late, kl in (("fedkmt", 0, 0, 0), ("deepfusion:alpha=1.0", 0.2, 0.05, -0.1),
+                                        ("deepfusion:alpha=10.0", 0.4, 0.3, 0))}
     for m, (test, valid) in scores.items():
         for seed, t, v in zip((1, 2, 3), test, valid):
             d = case / f"seed{seed}" / m
@@ -67,7 +71,7 @@ def test_deepfusion_case_chooses_vaa_s_weight_on_validation_and_pairs_against_fe
                 dom: {"test_answer_log_ppl": x, "valid_answer_log_ppl": v, "test_log_ppl": x + 1, "test_answer_acc": 1.0,
                       "test_base_answer_log_ppl": 9.0, "test_base_log_ppl": 9.5} for dom, x in per.items()}}))
             with lzma.open(d / "server.jsonl.xz", "wt") as fh:
-                fh.write(json.dumps({"kd": [{"grad": grad}], "clients": [0, 1], "devices": ["base", "prune:2:32"],
+                fh.write(json.dumps({"kd": [{"grad": grad, "steps": steps[m]}], "clients": [0, 1], "devices": ["base", "prune:2:32"],
                                      "in_domain": {"devices": {"0": {"a": 1.0, "b": 2.0}, "1": {"a": 1.5, "b": 0.4 + seed / 10}},
                                                    "student": {"a": 1.25, "b": 1.0}}}) + "\n")
     (case / "partition.json").write_text(json.dumps({"client0": {"mixture": {"a": 0.9, "b": 0.1}},
@@ -77,7 +81,9 @@ def test_deepfusion_case_chooses_vaa_s_weight_on_validation_and_pairs_against_fe
                                                 "sweep": list(scores)[1:]}))
     out = tables.table("df")
     assert "Chosen on the server's validation documents: deepfusion:alpha=1.0 (the lowest mean validation answer log perplexity over seeds 1, 2, 3;" in out
-    assert "| deepfusion:alpha=1.0 (chosen) | 2.000 (0.000) | 3.467 (0.047) | 0.250 | -0.500 |" in out
+    assert "| deepfusion:alpha=1.0 (chosen) | 2.000 (0.000) | 3.467 (0.047) | 0.250 | -0.500 | +0.200 / +0.050 | " \
+           "-0.100 / -0.100 |" in out
+    assert "| deepfusion:alpha=10.0 | 2.500 (0.000) | 1.500 (0.000) | 0.250 | -0.500 | +0.400 / +0.300 | +0.000 / +0.000 |" in out
     assert "| deepfusion:alpha=10.0 |" not in out.split("per domain")[1]  # the chosen spec stands for the sweep
     # seed differences -0.1, -0.2, -0.1: mean -0.1333, half-width 4.303 * 0.05774 / sqrt(3) = 0.1434
     assert "| deepfusion:alpha=1.0 | -0.133 [-0.277, +0.010] | -0.133 [-0.277, +0.010] | -0.133 [-0.277, +0.010] |" in out
