@@ -91,7 +91,7 @@ class DeepFusion(Algorithm):
             raise ValueError(f"deepfusion.device_steps must be >= 0, got {device_steps}")
         self.device_steps = train.local_steps if device_steps is None else device_steps
         # every grad_log_every-th KD step (0: never) logs each term's gradient norm on the student
-        # and its share: how much the feature term steers the student (three extra backward passes)
+        # and its share: how much the feature term steers the student (two extra backward passes)
         self.grad_log_every, self.score_devices = grad_log_every, score_devices
         if train.rounds != 1:
             raise ValueError(f"{self.name} is one-shot (devices upload once): train.rounds must be 1, got {train.rounds}")
