@@ -311,7 +311,7 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
     documents (``valid_*``, never test): (1) the sweep: each swept spec's validation and test
     score, the feature term's share of the student's gradient norm and the cosine of its gradient
     with CE + KL's (server.jsonl ``kd[..]["grad"]``), its KD CE and KL minus the reference's on the
-    same batches early and late in each domain's steps; (2) test per domain, mean (std) over seeds,
+    same batches early and late in each domain's steps, and its feature loss then; (2) test per domain, mean (std) over seeds,
     the chosen spec standing for every swept one, the dense base before distillation as a row;
     (3) each method minus ``reference`` (FedKMT), paired over seeds, with a 95 % interval per domain
     and overall; (4) the premise: each device's log perplexity per character on its own dominant
@@ -337,20 +337,22 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
         cos = [x for g in rows for x in g["cos_fm_rest"]]
         return (f"{statistics.fmean(share):.3f}" if share else "-", f"{statistics.fmean(cos):+.3f}" if cos else "-")
 
-    def drift(m: str, term: str) -> tuple[str, str]:
-        """The spec's KD term minus the reference's on the same batches (the batch RNG is shared), in
+    def fifths(m: str, term: str, minus_ref: bool = True) -> tuple[str, str]:
+        """The spec's KD term (minus the reference's on the same batches: the batch RNG is shared), in
         the first and the last fifth of each domain's steps, averaged over domains and seeds: does
-        the gap close with more steps?"""
+        the gap close with more steps? does the feature loss fall further with more weight on it?"""
         first, last = [], []
         for s, d in runs[m].items():
-            if s not in runs[ref]:
+            if minus_ref and s not in runs[ref]:
                 continue
-            for a, b in zip(_jsonl(d / "server.jsonl")[0]["kd"], _jsonl(runs[ref][s] / "server.jsonl")[0]["kd"]):
-                xs = [u - v for u, v in zip(a["steps"][term], b["steps"][term])]
+            kd = _jsonl(d / "server.jsonl")[0]["kd"]
+            for a, b in zip(kd, _jsonl(runs[ref][s] / "server.jsonl")[0]["kd"] if minus_ref else kd):
+                xs = [u - v for u, v in zip(a["steps"][term], b["steps"][term])] if minus_ref else a["steps"][term]
                 fifth = max(1, len(xs) // 5)
                 first.append(statistics.fmean(xs[:fifth]))
                 last.append(statistics.fmean(xs[-fifth:]))
-        return (f"{statistics.fmean(first):+.3f}", f"{statistics.fmean(last):+.3f}") if first else ("-", "-")
+        sign = "+" if minus_ref else ""
+        return (f"{statistics.fmean(first):{sign}.3f}", f"{statistics.fmean(last):{sign}.3f}") if first else ("-", "-")
 
     # on the seeds every swept spec ran (a sweep may run on one seed, the chosen spec on all)
     shared = sorted(set.intersection(*(set(res[m]) for m in sweep)))
@@ -359,14 +361,16 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
            f"{what} over seed{'s' if len(shared) > 1 else ''} {', '.join(map(str, shared))}; test played no part).", "",
            f"| swept | validation {what}, mean (std) | test {what}, mean (std) | feature term's share of the "
            f"student's gradient | cosine of its gradient with CE + KL's | KD's CE minus {names.get(ref, ref)}'s on "
-           "the same batches, first / last fifth of the steps | KL minus its, first / last fifth |",
-           "|---|---|---|---:|---:|---:|---:|"]
+           "the same batches, first / last fifth of the steps | KL minus its, first / last fifth | feature loss FM, "
+           "first / last fifth |",
+           "|---|---|---|---:|---:|---:|---:|---:|"]
     for m in sweep:
         share, cos = grad(m)
         out.append(f"| {names.get(m, m)}{' (chosen)' if m == chosen else ''} | "
                    f"{_mean_std([score(r, 'valid') for r in res[m].values()], 3)} | "
                    f"{_mean_std([score(r) for r in res[m].values()], 3)} | {share} | {cos} | "
-                   + " / ".join(drift(m, "ce")) + " | " + " / ".join(drift(m, "kl")) + " |")
+                   + " / ".join(fifths(m, "ce")) + " | " + " / ".join(fifths(m, "kl")) + " | "
+                   + " / ".join(fifths(m, "fm", minus_ref=False)) + " |")
     order = [m for m in meta.get("order", runs) if m in runs]
     first_swept = next(i for i, m in enumerate(order) if m in sweep)
     order = [m for m in order[:first_swept] if m not in sweep] + [chosen] + \

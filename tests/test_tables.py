@@ -58,10 +58,12 @@ def test_deepfusion_case_chooses_vaa_s_weight_on_validation_and_pairs_against_fe
               "deepfusion:alpha=1.0": ([2.9, 3.0, 3.0], [2.0, 2.0, 2.0]),
               "deepfusion:alpha=10.0": ([1.0, 1.0, 1.0], [2.5, 2.5, 2.5])}
     grad = {"step": [1], "ce": [[1.0, 0.5]], "fm": [[1.0, 0.25]], "kl": [[1.0, 0.25]], "cos_fm_rest": [-0.5]}
-    # 10 KD steps: CE above FedKMT's by `early` in the first two (a fifth), by `late` in the last two
-    steps = {m: {"ce": [3.0 + early] * 2 + [3.0] * 6 + [3.0 + late] * 2, "kl": [1.0 + kl] * 10}
-             for m, early, late, kl in (("fedkmt", 0, 0, 0), ("deepfusion:alpha=1.0", 0.2, 0.05, -0.1),
-                                        ("deepfusion:alpha=10.0", 0.4, 0.3, 0))}
+    # 10 KD steps: CE above FedKMT's by `early` in the first two (a fifth), by `late` in the last two;
+    # the feature loss (not FedKMT's: it has none) from 2.0 to `fm_end`
+    steps = {m: {"ce": [3.0 + early] * 2 + [3.0] * 6 + [3.0 + late] * 2, "kl": [1.0 + kl] * 10,
+                 "fm": [2.0] * 2 + [1.0] * 6 + [fm_end] * 2}
+             for m, early, late, kl, fm_end in (("fedkmt", 0, 0, 0, 0.0), ("deepfusion:alpha=1.0", 0.2, 0.05, -0.1, 0.5),
+                                                ("deepfusion:alpha=10.0", 0.4, 0.3, 0, 0.7))}
     for m, (test, valid) in scores.items():
         for seed, t, v in zip((1, 2, 3), test, valid):
             d = case / f"seed{seed}" / m
@@ -82,8 +84,9 @@ def test_deepfusion_case_chooses_vaa_s_weight_on_validation_and_pairs_against_fe
     out = tables.table("df")
     assert "Chosen on the server's validation documents: deepfusion:alpha=1.0 (the lowest mean validation answer log perplexity over seeds 1, 2, 3;" in out
     assert "| deepfusion:alpha=1.0 (chosen) | 2.000 (0.000) | 3.467 (0.047) | 0.250 | -0.500 | +0.200 / +0.050 | " \
-           "-0.100 / -0.100 |" in out
-    assert "| deepfusion:alpha=10.0 | 2.500 (0.000) | 1.500 (0.000) | 0.250 | -0.500 | +0.400 / +0.300 | +0.000 / +0.000 |" in out
+           "-0.100 / -0.100 | 2.000 / 0.500 |" in out
+    assert "| deepfusion:alpha=10.0 | 2.500 (0.000) | 1.500 (0.000) | 0.250 | -0.500 | +0.400 / +0.300 | +0.000 / +0.000 " \
+           "| 2.000 / 0.700 |" in out
     assert "| deepfusion:alpha=10.0 |" not in out.split("per domain")[1]  # the chosen spec stands for the sweep
     # seed differences -0.1, -0.2, -0.1: mean -0.1333, half-width 4.303 * 0.05774 / sqrt(3) = 0.1434
     assert "| deepfusion:alpha=1.0 | -0.133 [-0.277, +0.010] | -0.133 [-0.277, +0.010] | -0.133 [-0.277, +0.010] |" in out
