@@ -466,7 +466,28 @@ def layer_speed_table(text: str) -> str:
     return "\n".join(["| | " + " | ".join(f"n = {n}" for n in ns) + " |", "|---" * (len(ns) + 1) + "|", *rows])
 
 
-BENCH_FILES = {"layer-speed.md": layer_speed_table, "layer-speed-full.md": layer_speed_table}  # written by a bench
+def vaa_attribution_table(text: str) -> str:
+    """bench/vaa_attribution.py's result file: per run (alpha, VAA's lr), the feature loss FM at the first and last
+    step, and the sums over the steps of each step's change in FM on its batch made by the student's
+    update (VAA held at its weights before the step), by VAA's (the student held), by both, and of
+    CE's change on the batch by the student's update."""
+    r = json.loads(text)
+    rows = []
+    for run, steps in r["runs"].items():
+        alpha, lr = run.split(":")
+        total = {k: sum(s[k] for s in steps) for k in ("fm_by_student", "fm_by_vaa", "fm_by_both", "ce_by_student")}
+        rows.append(f"| {alpha} | {lr} | {steps[0]['fm']:.3f} / {steps[-1]['fm']:.3f} | {total['fm_by_student']:+.4f} | "
+                    f"{total['fm_by_vaa']:+.4f} | {total['fm_by_both']:+.4f} | "
+                    f"{total['fm_by_student'] / total['fm_by_both']:.1%} | {total['ce_by_student']:+.4f} |")
+    return "\n".join([f"Teacher {r['spec']} (device cache file {r['teacher'][:12]}...), {r['steps']} KD steps a run from the "
+                      f"same start and batches, seed {r['seed']}; {r['machine']}, {r['date']}, {r['seconds'] / 60:.0f} min.", "",
+                      "| alpha | VAA's lr | FM, first / last step | FM's change by the student's updates (sum over the steps) | "
+                      "by VAA's updates | by both | the student's share | CE's change on the batch by the student's "
+                      "updates (sum) |", "|---|---:|---:|---:|---:|---:|---:|---:|", *rows])
+
+
+BENCH_FILES = {"layer-speed.md": layer_speed_table, "layer-speed-full.md": layer_speed_table,  # written by a bench
+               "vaa-attribution.json": vaa_attribution_table}
 
 
 def table(case: str) -> str:
