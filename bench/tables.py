@@ -467,23 +467,30 @@ def layer_speed_table(text: str) -> str:
 
 
 def vaa_attribution_table(text: str) -> str:
-    """bench/vaa_attribution.py's result file: per run (alpha, VAA's lr), the feature loss FM at the first and last
-    step, and the sums over the steps of each step's change in FM on its batch made by the student's
-    update (VAA held at its weights before the step), by VAA's (the student held), by both, and of
-    CE's change on the batch by the student's update."""
+    """bench/vaa_attribution.py's result file: per run (alpha, VAA's lr, VAA's warm-up steps), the
+    feature loss FM at the first and last joint step; the sums over the steps of each step's change
+    in FM on its batch made by the student's update (VAA held at its weights before the step), by
+    VAA's (the student held), by both, and of CE's change on the batch by the student's update; on
+    the held-out batches, FM under the final VAA with the final student minus with the starting
+    one (what the student's moves left), and CE's change."""
     r = json.loads(text)
     rows = []
-    for run, steps in r["runs"].items():
-        alpha, lr = run.split(":")
+    for run in r["runs"].values():
+        steps, held = run["steps"], run["held_out"]
         total = {k: sum(s[k] for s in steps) for k in ("fm_by_student", "fm_by_vaa", "fm_by_both", "ce_by_student")}
-        rows.append(f"| {alpha} | {lr} | {steps[0]['fm']:.3f} / {steps[-1]['fm']:.3f} | {total['fm_by_student']:+.4f} | "
-                    f"{total['fm_by_vaa']:+.4f} | {total['fm_by_both']:+.4f} | "
-                    f"{total['fm_by_student'] / total['fm_by_both']:.1%} | {total['ce_by_student']:+.4f} |")
-    return "\n".join([f"Teacher {r['spec']} (device cache file {r['teacher'][:12]}...), {r['steps']} KD steps a run from the "
-                      f"same start and batches, seed {r['seed']}; {r['machine']}, {r['date']}, {r['seconds'] / 60:.0f} min.", "",
-                      "| alpha | VAA's lr | FM, first / last step | FM's change by the student's updates (sum over the steps) | "
-                      "by VAA's updates | by both | the student's share | CE's change on the batch by the student's "
-                      "updates (sum) |", "|---|---:|---:|---:|---:|---:|---:|---:|", *rows])
+        rows.append(f"| {run['alpha']:g} | {run['feature_lr']:g} | {run['warmup']} | {steps[0]['fm']:.3f} / "
+                    f"{steps[-1]['fm']:.3f} | {total['fm_by_student']:+.4f} | {total['fm_by_vaa']:+.4f} | "
+                    f"{total['fm_by_both']:+.4f} | {total['fm_by_student'] / total['fm_by_both']:.1%} | "
+                    f"{total['ce_by_student']:+.4f} | {held['fm_final'] - held['fm_start_student']:+.4f} | "
+                    f"{held['ce_final'] - held['ce_start']:+.4f} |")
+    return "\n".join([f"Teacher {r['spec']} (device cache file {r['teacher'][:12]}...), {r['steps']} joint KD steps a run "
+                      f"from the same start and batches, seed {r['seed']}; {r['machine']}, {r['date']}, "
+                      f"{r['seconds'] / 60:.0f} min.", "",
+                      "| alpha | VAA's lr | VAA's warm-up steps | FM, first / last joint step | FM's change by the "
+                      "student's updates (sum over the steps) | by VAA's updates | by both | the student's share | "
+                      "CE's change on the batch by the student's updates (sum) | held out: FM with the final student "
+                      "minus with the starting one (final VAA) | held out: CE's change |",
+                      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *rows])
 
 
 BENCH_FILES = {"layer-speed.md": layer_speed_table, "layer-speed-full.md": layer_speed_table,  # written by a bench

@@ -170,9 +170,13 @@ def alpha_sweep(hetero: dict, kd_steps: int, alphas: tuple[float, ...]) -> dict:
     and chosen on the server's own held-out validation documents (never test), the untrained-teacher
     control, FedKMT and CE-only as the paper's baselines, 3 seeds for paired intervals."""
     sweep = copy.deepcopy(hetero)
-    # FedKMT first: it trains the devices the others read from the device cache
-    sweep["methods"] = ["fedkmt", *(f"deepfusion:alpha={a}" for a in alphas), "deepfusion-ce",
-                        "deepfusion:device_steps=0"]
+    # FedKMT first: it trains the devices the others read from the device cache. Beside the alphas,
+    # VAA at the student's own lr (the paper trains the two jointly and gives one lr; comix's
+    # feature_lr default is 10x it): with the slower adapter the student's own updates carry more of
+    # the feature match into it (bench/vaa_attribution.py, docs/deepfusion.md)
+    kd_lr = sweep["deepfusion"].get("kd_lr", 1e-4)
+    sweep["methods"] = ["fedkmt", *(f"deepfusion:alpha={a}" for a in alphas), f"deepfusion:alpha=10.0,feature_lr={kd_lr}",
+                        "deepfusion-ce", "deepfusion:device_steps=0"]
     sweep["seeds"] = [42, 62, 82]
     sweep["train"]["local_steps"] = max(200, sweep["train"]["local_steps"])
     sweep["data"]["server_valid_docs"] = 20
@@ -254,8 +258,8 @@ def deepfusion_configs() -> None:
                           f"in parts over several sessions, each continued with --resume <its run_dir>):\n"
                           f"  the sweep and the controls on one seed: comix compare "
                           f"configs/deepfusion/{scale}-{case}-hetero-n{n}-alpha-sweep.yaml --seeds 42 run_dir=runs/df-sweep-42\n"
-                          f"  the alpha of the lowest mean valid_answer_log_ppl there (results.json) against FedKMT on "
-                          f"two more seeds: ... --seeds 62 82 --methods fedkmt deepfusion:alpha=<chosen> "
+                          f"  the swept spec of the lowest mean valid_answer_log_ppl there (results.json) against FedKMT on "
+                          f"two more seeds: ... --seeds 62 82 --methods fedkmt '<chosen spec>' "
                           f"run_dir=runs/df-sweep-rest\n"
                           f"  the other baselines on one seed (OFA-KD reads the devices from the device cache; FedJETS's "
                           f"devices take the same 200 steps over 4 rounds): ... --seeds 42 --methods ofa-kd "

@@ -553,6 +553,9 @@ def test_recipes_give_fedjets_devices_the_one_shot_devices_step_budget():
         cfg = load_config(str(path))
         assert {split_spec(m)[0] for m in cfg.methods} == {"deepfusion", "deepfusion-ce", "fedkmt"}
         assert len([m for m in cfg.methods if "alpha=" in m]) >= 3 and "deepfusion:device_steps=0" in cfg.methods
+        # and VAA at the student's own lr, where the student's updates carry more of the feature match
+        assert any(spec_config(cfg, m).deepfusion.feature_lr == cfg.deepfusion.kd_lr for m in cfg.methods
+                   if m.startswith("deepfusion:alpha=")), path.name
         assert cfg.data.server_valid_docs > 0 and cfg.train.local_steps >= 200 and len(cfg.seeds) >= 3
         assert cfg.data.public_categories == ["literature"], path.name  # public text of no test domain
         assert ("gemma3-270m" in cfg.deepfusion.devices) == path.name.startswith("paper"), path.name

@@ -233,21 +233,25 @@ def test_a_view_case_shows_the_named_methods_of_another_case_s_runs(tmp_path, mo
     assert "| flora |" in tables.table("run") and "| fedit |" in tables.table("run")
 
 
-def test_vaa_attribution_table_sums_each_alpha_s_steps_and_splits_the_fall_between_student_and_vaa(tmp_path, monkeypatch):
-    """bench/vaa_attribution.py's file: per run (alpha, VAA's lr), FM at the first and last step and the sums over the
-    steps of FM's change by the student's updates, by VAA's, by both (the student's share of it) and
-    of CE's change; a swapped key or a share of the wrong denominator changes a cell."""
+def test_vaa_attribution_table_sums_each_run_s_steps_and_splits_the_fall_between_student_and_vaa(tmp_path, monkeypatch):
+    """bench/vaa_attribution.py's file: per run (alpha, VAA's lr, warm-up), FM at the first and last
+    step, the sums over the steps of FM's change by the student's updates, by VAA's, by both (the
+    student's share of it) and of CE's change, and on the held-out batches what the student's moves
+    left; a swapped key, a share of the wrong denominator or a reversed difference changes a cell."""
     tables = _tables()
     monkeypatch.setattr(tables, "RESULTS", tmp_path)
 
     def step(fm, student, vaa, both, ce):
         return {"fm": fm, "fm_by_student": student, "fm_by_vaa": vaa, "fm_by_both": both, "ce_by_student": ce}
+    held = {"fm_final": 0.9, "fm_start_student": 1.0, "ce_final": 3.1, "ce_start": 3.0}
     (tmp_path / "vaa-attribution.json").write_text(json.dumps({
         "teacher": "abcdef0123456789.safetensors", "spec": "prune:2:32", "steps": 2, "seed": 7, "machine": "m",
         "date": "d", "seconds": 120.0,
-        "runs": {"10:0.001": [step(4.0, -0.01, -0.2, -0.2, -0.1), step(3.5, -0.03, -0.1, -0.2, 0.05)],
-                 "100:0.0001": [step(4.0, -0.1, -0.3, -0.35, 0.2), step(3.0, -0.2, -0.1, -0.25, 0.1)]}}))
+        "runs": {"a": {"alpha": 10.0, "feature_lr": 0.001, "warmup": 0, "held_out": held,
+                       "steps": [step(4.0, -0.01, -0.2, -0.2, -0.1), step(3.5, -0.03, -0.1, -0.2, 0.05)]},
+                 "b": {"alpha": 100.0, "feature_lr": 0.0001, "warmup": 25, "held_out": {**held, "fm_start_student": 0.8},
+                       "steps": [step(4.0, -0.1, -0.3, -0.35, 0.2), step(3.0, -0.2, -0.1, -0.25, 0.1)]}}}))
     out = tables.table("vaa-attribution.json")
-    assert "Teacher prune:2:32 (device cache file abcdef012345...), 2 KD steps a run" in out and "2 min" in out
-    assert "| 10 | 0.001 | 4.000 / 3.500 | -0.0400 | -0.3000 | -0.4000 | 10.0% | -0.0500 |" in out
-    assert "| 100 | 0.0001 | 4.000 / 3.000 | -0.3000 | -0.4000 | -0.6000 | 50.0% | +0.3000 |" in out
+    assert "Teacher prune:2:32 (device cache file abcdef012345...), 2 joint KD steps a run" in out and "2 min" in out
+    assert "| 10 | 0.001 | 0 | 4.000 / 3.500 | -0.0400 | -0.3000 | -0.4000 | 10.0% | -0.0500 | -0.1000 | +0.1000 |" in out
+    assert "| 100 | 0.0001 | 25 | 4.000 / 3.000 | -0.3000 | -0.4000 | -0.6000 | 50.0% | +0.3000 | +0.1000 | +0.1000 |" in out
