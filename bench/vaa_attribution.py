@@ -1,6 +1,6 @@
 """Whose step lowers DeepFusion's feature loss: the student's or VAA's own? Measured, not asserted.
 
-    python bench/vaa_attribution.py --teacher runs/df-devices/<key>.safetensors --spec prune:30:1536:512
+    python bench/vaa_attribution.py --teacher $COMIX_CACHE/deepfusion-devices/<key>.safetensors
 
 In the alpha sweep (docs/deepfusion.md) the feature loss FM fell along the same curve at alpha = 10
 and alpha = 100, while CE paid five times more at 100: the student's extra pull bought no closer
@@ -14,7 +14,8 @@ already maps it). After each joint step it re-scores FM on the same batch with t
 VAA's weights from before and after the step, so the step's change in FM splits into the
 student's part, FM(new student, old VAA) - FM(old, old), and VAA's, FM(old student, new VAA) -
 FM(old, old); CE's change on the batch is the student's move's cost. At the end, on 8 fixed
-batches drawn apart from the training ones, FM under the final VAA with the final student and
+batches of the same text drawn by a generator of their own (held out as batches; windows may
+overlap a training batch's), FM under the final VAA with the final student and
 with the starting one says how much of the student's per-batch progress stayed. Each run starts
 from the same student, VAA and batches. Writes ``bench/results/vaa-attribution.json``, which
 ``python bench/tables.py`` turns into the table in docs/deepfusion.md.
@@ -33,6 +34,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
@@ -116,16 +118,23 @@ def run(student0, teacher, tokens, held_out, alpha: float, feature_lr: float, wa
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--teacher", required=True, help="a device upload in the DeepFusion device cache (.safetensors)")
-    ap.add_argument("--spec", required=True, help="that device's model spec (its cache file's metadata says it)")
+    ap.add_argument("--spec", help="that device's model spec (default: the one its cache file's metadata names)")
     ap.add_argument("--runs", nargs="+", default=["10:1e-3", "100:1e-3", "10:1e-4", "10:1e-3:25"],
                     metavar="ALPHA:VAA_LR[:WARMUP]", help="alpha, VAA's own lr (DeepFusion's feature_lr is 1e-3; 1e-4 "
                     "is the student's) and the steps VAA trains alone first (0 in DeepFusion) of each run")
-    ap.add_argument("--held-out", type=int, default=8, help="fixed batches, drawn apart from the training ones")
+    ap.add_argument("--held-out", type=int, default=8, help="fixed batches, drawn by a generator of their own")
     ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--seed", type=int, default=42)
     args = ap.parse_args()
     if not Path(args.teacher).is_file():
         raise SystemExit(f"--teacher: no such file {args.teacher}")
+    with safe_open(args.teacher, "pt") as fh:  # the device cache keeps each device's model spec
+        named = json.loads((fh.metadata() or {}).get("metrics", "{}")).get("device_model")
+    if args.spec and named and args.spec != named:
+        raise SystemExit(f"--spec {args.spec}: --teacher {args.teacher} holds a {named} device")
+    args.spec = args.spec or named
+    if args.spec is None:
+        raise SystemExit(f"--teacher {args.teacher}: its metadata names no device model; give --spec")
     try:
         settings = [(float(r.split(":")[0]), float(r.split(":")[1]), int((r.split(":") + ["0"])[2])) for r in args.runs]
     except (ValueError, IndexError):
@@ -134,7 +143,10 @@ def main() -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     student = load_base_model("smollm2-135m")[0].float()
     upload = {k[len("upload."):]: v for k, v in load_file(args.teacher).items() if k.startswith("upload.")}
-    teacher = uploaded_models({0: upload}, [args.spec], student)[0]  # one line if the file does not fit the spec
+    try:
+        teacher = uploaded_models({0: upload}, [args.spec], student)[0]
+    except (ValueError, RuntimeError):  # the file's weights do not fit the spec's shapes
+        raise SystemExit(f"--spec {args.spec} does not fit --teacher {args.teacher}") from None
     tok = AutoTokenizer.from_pretrained(tokenizer_source(student))
     tokens = torch.tensor(tok("\n\n".join(builtin("topics")["literature"]))["input_ids"])
     gen = torch.Generator().manual_seed(args.seed + 1)
