@@ -311,8 +311,9 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
     documents (``valid_*``, never test): (1) the sweep: each swept spec's validation and test
     score, the feature term's share of the student's gradient norm and the cosine of its gradient
     with CE + KL's (server.jsonl ``kd[..]["grad"]``), its KD CE and KL minus the reference's on the
-    same batches early and late in each domain's steps, and its feature loss then; (2) test per domain, mean (std) over seeds,
-    the chosen spec standing for every swept one, the dense base before distillation as a row;
+    same batches early and late in each domain's steps, and its feature loss then; (2) test per
+    domain, mean (std) over seeds, the chosen spec standing for every swept one, the dense base
+    before distillation as a row;
     (3) each method minus ``reference`` (FedKMT), paired over seeds, with a 95 % interval per domain
     and overall; (4) the premise: each device's log perplexity per character on its own dominant
     domain (partition.json) against the student's, from the reference's server.jsonl; (5) per
