@@ -26,6 +26,7 @@ import footprint  # noqa: F401  (prints wall time and peak RSS at exit)
 
 import argparse
 import copy
+import inspect
 import json
 import os
 import platform
@@ -38,6 +39,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
+from comix.algorithms.deepfusion import DeepFusion
 from comix.algorithms.deepfusion_clusters import uploaded_models
 from comix.data import sample_batch
 from comix.data.corpora import builtin
@@ -47,8 +49,10 @@ from comix.models.kd import hidden_width, kd_loss
 from comix.models.vaa import ViewAlignedAttention, stage_features
 
 OUT = Path(__file__).parent / "results" / "vaa-attribution.json"
-STAGES, QUERIES, VAA_DIM, HEADS = 4, 64, 256, 4     # DeepFusion's defaults (comix/algorithms/deepfusion.py)
-KD_LR, BATCH, SEQ = 1e-4, 4, 128  # the alpha-sweep recipe's server settings
+# DeepFusion's own defaults, read from its signature so the bench follows the code; seq_len 128 is the recipe's
+_DEFAULTS = {k: v.default for k, v in inspect.signature(DeepFusion.__init__).parameters.items()}
+STAGES, QUERIES, VAA_DIM, HEADS = (_DEFAULTS[k] for k in ("stages", "queries", "vaa_dim", "vaa_heads"))
+KD_LR, BATCH, SEQ = _DEFAULTS["kd_lr"], _DEFAULTS["kd_batch"], 128
 
 
 def cpu_name() -> str:
