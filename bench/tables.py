@@ -471,7 +471,8 @@ def vaa_attribution_table(text: str) -> str:
     """bench/vaa_attribution.py's result file: per run (alpha, VAA's lr, VAA's warm-up steps), the
     feature loss FM at the first and last joint step; the sums over the steps of each step's change
     in FM on its batch made by the student's update (VAA held at its weights before the step), by
-    VAA's (the student held), by both, and of CE's change on the batch by the student's update; on
+    VAA's (the student held), by both, and of CE's change on the batch by the student's update (and
+    the student's share in the first and the last quarter of the steps); on
     the held-out batches, FM under the final VAA with the final student minus with the starting
     one (what the student's moves left), and CE's change."""
     r = json.loads(text)
@@ -479,9 +480,13 @@ def vaa_attribution_table(text: str) -> str:
     for run in r["runs"].values():
         steps, held = run["steps"], run["held_out"]
         total = {k: sum(s[k] for s in steps) for k in ("fm_by_student", "fm_by_vaa", "fm_by_both", "ce_by_student")}
+        q = max(1, len(steps) // 4)  # does the student's part grow as VAA settles? its share early and late
+        share = [sum(s["fm_by_student"] for s in part) / sum(s["fm_by_both"] for s in part)
+                 for part in (steps[:q], steps[-q:])]
         rows.append(f"| {run['alpha']:g} | {run['feature_lr']:g} | {run['warmup']} | {steps[0]['fm']:.3f} / "
                     f"{steps[-1]['fm']:.3f} | {total['fm_by_student']:+.4f} | {total['fm_by_vaa']:+.4f} | "
                     f"{total['fm_by_both']:+.4f} | {total['fm_by_student'] / total['fm_by_both']:.1%} | "
+                    f"{share[0]:.1%} / {share[1]:.1%} | "
                     f"{total['ce_by_student']:+.4f} | {held['fm_final'] - held['fm_start_student']:+.4f} | "
                     f"{held['ce_final'] - held['ce_start']:+.4f} |")
     return "\n".join([f"Teacher {r['spec']} (device cache file {r['teacher'][:12]}...), {r['steps']} joint KD steps a run "
@@ -489,13 +494,14 @@ def vaa_attribution_table(text: str) -> str:
                       f"{r['seconds'] / 60:.0f} min.", "",
                       "| alpha | VAA's lr | VAA's warm-up steps | FM, first / last joint step | FM's change by the "
                       "student's updates (sum over the steps) | by VAA's updates | by both | the student's share | "
+                      "its share, first / last quarter of the steps | "
                       "CE's change on the batch by the student's updates (sum) | held out: FM with the final student "
                       "minus with the starting one (final VAA) | held out: CE's change |",
-                      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *rows])
+                      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *rows])
 
 
 BENCH_FILES = {"layer-speed.md": layer_speed_table, "layer-speed-full.md": layer_speed_table,  # written by a bench
-               "vaa-attribution.json": vaa_attribution_table}
+               "vaa-attribution.json": vaa_attribution_table, "vaa-attribution-long.json": vaa_attribution_table}
 
 
 def table(case: str) -> str:

@@ -1,6 +1,8 @@
 """Whose step lowers DeepFusion's feature loss: the student's or VAA's own? Measured, not asserted.
 
     python bench/vaa_attribution.py --teacher $COMIX_CACHE/deepfusion-devices/<key>.safetensors
+    python bench/vaa_attribution.py --teacher ... --steps 100 --runs 10:1e-3 10:1e-4 \
+        --out bench/results/vaa-attribution-long.json    # a whole domain's KD steps: does the student catch up?
 
 In the alpha sweep (docs/deepfusion.md) the feature loss FM fell along the same curve at alpha = 10
 and alpha = 100, while CE paid five times more at 100: the student's extra pull bought no closer
@@ -129,7 +131,11 @@ def main() -> None:
     ap.add_argument("--held-out", type=int, default=8, help="fixed batches, drawn by a generator of their own")
     ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--out", type=Path, default=OUT, help=f"the result file (default {OUT.relative_to(OUT.parents[2])}; "
+                    "bench/results/vaa-attribution-long.json is the long runs' table in docs/deepfusion.md)")
     args = ap.parse_args()
+    if not args.out.parent.is_dir():
+        raise SystemExit(f"--out {args.out}: no such folder {args.out.parent}")
     if not Path(args.teacher).is_file():
         raise SystemExit(f"--teacher: no such file {args.teacher}")
     with safe_open(args.teacher, "pt") as fh:  # the device cache keeps each device's model spec
@@ -167,10 +173,10 @@ def main() -> None:
                            "stages": STAGES, "queries": QUERIES, "vaa_dim": VAA_DIM, "heads": HEADS},
               "machine": f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}",
               "date": time.strftime("%Y-%m-%d"), "seconds": round(time.perf_counter() - t0, 1), "runs": runs}
-    tmp = OUT.with_suffix(".tmp")
+    tmp = args.out.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=1) + "\n")
-    tmp.rename(OUT)
-    print(f"wrote {OUT}")
+    tmp.rename(args.out)
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

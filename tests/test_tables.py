@@ -252,6 +252,9 @@ def test_vaa_attribution_table_sums_each_run_s_steps_and_splits_the_fall_between
                  "b": {"alpha": 100.0, "feature_lr": 0.0001, "warmup": 25, "held_out": {**held, "fm_start_student": 0.8},
                        "steps": [step(4.0, -0.1, -0.3, -0.35, 0.2), step(3.0, -0.2, -0.1, -0.25, 0.1)]}}}))
     out = tables.table("vaa-attribution.json")
+    # the long run's file (bench/vaa_attribution.py --out) is a table of the same kind
+    (tmp_path / "vaa-attribution-long.json").write_text((tmp_path / "vaa-attribution.json").read_text())
+    assert tables.table("vaa-attribution-long.json") == out.replace("vaa-attribution.json", "vaa-attribution-long.json")
     assert "Teacher prune:2:32 (device cache file abcdef012345...), 2 joint KD steps a run" in out and "2 min" in out
-    assert "| 10 | 0.001 | 0 | 4.000 / 3.500 | -0.0400 | -0.3000 | -0.4000 | 10.0% | -0.0500 | -0.1000 | +0.1000 |" in out
-    assert "| 100 | 0.0001 | 25 | 4.000 / 3.000 | -0.3000 | -0.4000 | -0.6000 | 50.0% | +0.3000 | +0.1000 | +0.1000 |" in out
+    assert "| 10 | 0.001 | 0 | 4.000 / 3.500 | -0.0400 | -0.3000 | -0.4000 | 10.0% | 5.0% / 15.0% | -0.0500 | -0.1000 | +0.1000 |" in out
+    assert "| 100 | 0.0001 | 25 | 4.000 / 3.000 | -0.3000 | -0.4000 | -0.6000 | 50.0% | 28.6% / 80.0% | +0.3000 | +0.1000 | +0.1000 |" in out
