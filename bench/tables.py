@@ -355,6 +355,13 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
         sign = "+" if minus_ref else ""
         return (f"{statistics.fmean(first):{sign}.3f}", f"{statistics.fmean(last):{sign}.3f}") if first else ("-", "-")
 
+    def label(m: str) -> str:
+        """The spec's name, with its seeds where it ran on fewer than the case: a mean over
+        other seeds than its neighbours' says so in its row."""
+        mine = sorted(res[m])
+        return names.get(m, m) + ("" if mine == seeds else
+                                  f" (seed{'s' if len(mine) > 1 else ''} {', '.join(map(str, mine))})")
+
     # on the seeds every swept spec ran (a sweep may run on one seed, the chosen spec on all)
     shared = sorted(set.intersection(*(set(res[m]) for m in sweep)))
     chosen = min(sweep, key=lambda m: statistics.fmean(score(res[m][s], "valid") for s in shared))
@@ -367,7 +374,7 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
            "|---|---|---|---:|---:|---:|---:|---:|"]
     for m in sweep:
         share, cos = grad(m)
-        out.append(f"| {names.get(m, m)}{' (chosen)' if m == chosen else ''} | "
+        out.append(f"| {label(m)}{' (chosen)' if m == chosen else ''} | "
                    f"{_mean_std([score(r, 'valid') for r in res[m].values()], 3)} | "
                    f"{_mean_std([score(r) for r in res[m].values()], 3)} | {share} | {cos} | "
                    + " / ".join(fifths(m, "ce")) + " | " + " / ".join(fifths(m, "kl")) + " | "
@@ -382,12 +389,12 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
     base = {s: {"per_user": {d: {f"test_{k}": v for k, v in ((k[len("test_base_"):], v) for k, v in row.items()
                                                              if k.startswith("test_base_"))}
                              for d, row in r["per_user"].items()}} for s, r in res[ref].items()}
-    for label, by in [("dense base (before distillation)", base), *((names.get(m, m), res[m]) for m in order)]:
+    for row, by in [("dense base (before distillation)", base), *((label(m), res[m]) for m in order)]:
         has_acc = all("test_answer_acc" in r["per_user"][d] for r in by.values() for d in domains)
         acc = [statistics.fmean(r["per_user"][d]["test_answer_acc"] for d in domains) for r in by.values()] \
             if has_acc else []
         stream = [statistics.fmean(r["per_user"][d]["test_log_ppl"] for d in domains) for r in by.values()]
-        out.append(f"| {label} | " + " | ".join(_mean_std([score(r, domain=d) for r in by.values()], 3) for d in domains)
+        out.append(f"| {row} | " + " | ".join(_mean_std([score(r, domain=d) for r in by.values()], 3) for d in domains)
                    + f" | {_mean_std([score(r) for r in by.values()], 3)} | "
                    + (_mean_std(acc) if acc else "-") + f" | {_mean_std(stream, 3)} |")
     out += ["", f"Minus {names.get(ref, ref)}, paired over seeds: mean [95 % interval] of the test {what} "
@@ -401,7 +408,7 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
         for d in (*domains, None):
             mean, half = paired_interval([score(res[m][s], domain=d) - score(res[ref][s], domain=d) for s in common])
             cells.append(f"{mean:+.3f} [{mean - half:+.3f}, {mean + half:+.3f}]" if len(common) > 1 else f"{mean:+.3f}")
-        out.append(f"| {names.get(m, m)} | " + " | ".join(cells) + " |")
+        out.append(f"| {label(m)} | " + " | ".join(cells) + " |")
     partition = RESULTS / meta["case"] / "partition.json"
     mixtures = json.loads(partition.read_text()) if partition.exists() else {}
     out += ["", "The premise: each device's log perplexity per character (nats) on its own dominant domain against "
@@ -409,6 +416,7 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
             "| seed | device | model | dominant domain (share) | device | student | device minus student |",
             "|---|---|---|---|---:|---:|---:|"]
     gaps: dict[str, list[float]] = {d: [] for d in domains}  # device minus student on its own domain
+    owners: dict[str, set[int]] = {d: set() for d in domains}  # the devices dominant in it (one partition)
     for s in seeds:
         row = _jsonl(runs[ref][s] / "server.jsonl")[0]
         known = row.get("in_domain", {})
@@ -419,6 +427,7 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
             dom = max(mix, key=mix.get)
             dev, stu = known["devices"][str(c)][dom], known["student"][dom]
             gaps.setdefault(dom, []).append(dev - stu)
+            owners.setdefault(dom, set()).add(c)
             out.append(f"| {s if i == 0 else ''} | client{c} | {model} | {dom} ({mix[dom]:.2f}) | {dev:.4f} | "
                        f"{stu:.4f} | {dev - stu:+.4f} |")
     # where the teachers know their domain better than the student, does distillation (and VAA
@@ -432,7 +441,7 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
         g = gaps.get(d, [])
         moved = statistics.fmean(score(r, domain=d) - base[s]["per_user"][d][f"test_{key}"] for s, r in res[ref].items())
         vaa = statistics.fmean(score(res[chosen][s], domain=d) - score(res[ref][s], domain=d) for s in both)
-        out.append(f"| {d} | {len(g)} | " + (f"{statistics.fmean(g):+.4f} | {min(g):+.4f}" if g else "- | -")
+        out.append(f"| {d} | {len(owners.get(d, ()))} | " + (f"{statistics.fmean(g):+.4f} | {min(g):+.4f}" if g else "- | -")
                    + f" | {moved:+.3f} | {vaa:+.3f} |")
     return "\n".join(out)
 

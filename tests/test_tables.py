@@ -3,6 +3,7 @@ files give (a doc cannot drift from its numbers), and the paired intervals are t
 import importlib.util
 import json
 import lzma
+import shutil
 from pathlib import Path
 
 import pytest
@@ -96,8 +97,16 @@ def test_deepfusion_case_chooses_vaa_s_weight_on_validation_and_pairs_against_fe
     assert "|  | client1 | prune:2:32 | b (0.80) | 0.5000 | 1.0000 | -0.5000 |" in out
     # per domain: the teachers' edge over the seeds (b: -0.5, -0.4, -0.3) beside FedKMT minus the base
     # (3.1 - 9 on a, 4.1 - 9 on b) and the chosen spec minus FedKMT
-    assert "| a | 3 | -0.2500 | -0.2500 | -5.900 | -0.133 |" in out
-    assert "| b | 3 | -0.4000 | -0.5000 | -4.900 | -0.133 |" in out
+    # (one device dominant in each domain, counted once however many seeds ran it)
+    assert "| a | 1 | -0.2500 | -0.2500 | -5.900 | -0.133 |" in out
+    assert "| b | 1 | -0.4000 | -0.5000 | -4.900 | -0.133 |" in out
+    # a spec on fewer seeds than the case names its seeds wherever its mean sits beside others'
+    shutil.rmtree(case / "seed3" / "deepfusion:alpha=1.0")
+    out = tables.table("df")
+    assert "| deepfusion:alpha=1.0 (seeds 1, 2) (chosen) | 2.000 (0.000) |" in out
+    assert "| deepfusion:alpha=1.0 (seeds 1, 2) | 2.950 (0.050) |" in out.split("per domain")[1]
+    assert "| deepfusion:alpha=1.0 (seeds 1, 2) | -0.150 [" in out
+    assert "| fedkmt | 3.100 (0.082) |" in out  # on every seed: no label
 
 
 def test_save_merges_runs_of_one_partition_keeps_the_named_methods_and_refuses_two_partitions(tmp_path, monkeypatch):
