@@ -389,12 +389,12 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
     base = {s: {"per_user": {d: {f"test_{k}": v for k, v in ((k[len("test_base_"):], v) for k, v in row.items()
                                                              if k.startswith("test_base_"))}
                              for d, row in r["per_user"].items()}} for s, r in res[ref].items()}
-    for row, by in [("dense base (before distillation)", base), *((label(m), res[m]) for m in order)]:
+    for row_name, by in [("dense base (before distillation)", base), *((label(m), res[m]) for m in order)]:
         has_acc = all("test_answer_acc" in r["per_user"][d] for r in by.values() for d in domains)
         acc = [statistics.fmean(r["per_user"][d]["test_answer_acc"] for d in domains) for r in by.values()] \
             if has_acc else []
         stream = [statistics.fmean(r["per_user"][d]["test_log_ppl"] for d in domains) for r in by.values()]
-        out.append(f"| {row} | " + " | ".join(_mean_std([score(r, domain=d) for r in by.values()], 3) for d in domains)
+        out.append(f"| {row_name} | " + " | ".join(_mean_std([score(r, domain=d) for r in by.values()], 3) for d in domains)
                    + f" | {_mean_std([score(r) for r in by.values()], 3)} | "
                    + (_mean_std(acc) if acc else "-") + f" | {_mean_std(stream, 3)} |")
     out += ["", f"Minus {names.get(ref, ref)}, paired over seeds: mean [95 % interval] of the test {what} "
