@@ -34,7 +34,8 @@ Table kinds (``case.json``'s ``kind``):
   global     DeepFusion and its baselines: each global model's scores on the server's test domains.
   privacy    client-level DP: each spec's clip, noise multiplier, epsilon and mean test perplexity.
   deepfusion DeepFusion's alpha sweep: alpha chosen on the server's validation documents, test per
-             domain, paired differences from ``reference`` (FedKMT), the teachers' in-domain premise.
+             domain, paired differences from ``reference`` (FedKMT) and the seeds the paper's edge over
+             FedKMT needs at their spread, the teachers' in-domain premise.
 The marker ``<!-- table: methods -->`` is the one table made from code, not results: every method
 as its class declares it (bench/methods_table.py; docs/methods.md). ``<!-- table: layer-speed.md -->``
 (and ``layer-speed-full.md``) renders the result file bench/layer_speed.py writes.
@@ -52,11 +53,16 @@ import statistics
 import sys
 from pathlib import Path
 
+from scipy.stats import t as student_t
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MARK = re.compile(r"(<!-- table: (?P<case>[\w.-]+) -->\n)(?P<body>.*?)(<!-- end table -->)", re.S)
-T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+# DeepFusion's edge over FedKMT on open-ended QA (paper Table I, DeepSeek-MoE, log token perplexity:
+# FedKMT minus DeepFusion): its smallest (N = 32) and at its smallest system (N = 16)
+PAPER_EDGE = {"N = 32": 3.9811 - 3.9700, "N = 16": 3.9908 - 3.9697}
 
 
 # -- reading a case -------------------------------------------------------------------------------
@@ -102,7 +108,17 @@ def paired_interval(diffs: list[float]) -> tuple[float, float]:
     mean = statistics.fmean(diffs)
     if len(diffs) < 2:
         return mean, float("nan")
-    return mean, T_975[len(diffs) - 1] * statistics.stdev(diffs) / len(diffs) ** 0.5
+    return mean, float(student_t.ppf(0.975, len(diffs) - 1)) * statistics.stdev(diffs) / len(diffs) ** 0.5
+
+
+def seeds_to_resolve(sd: float, margin: float) -> int:
+    """The fewest seeds whose 95 % t interval of a paired difference is narrower than +-``margin``
+    at the seed-to-seed spread ``sd`` of that difference: from there on an edge of ``margin`` or
+    more lies outside zero's interval."""
+    n = 2
+    while student_t.ppf(0.975, n - 1) * sd / n ** 0.5 >= margin:
+        n += 1
+    return n
 
 
 # -- table kinds ----------------------------------------------------------------------------------
@@ -409,6 +425,15 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
             mean, half = paired_interval([score(res[m][s], domain=d) - score(res[ref][s], domain=d) for s in common])
             cells.append(f"{mean:+.3f} [{mean - half:+.3f}, {mean + half:+.3f}]" if len(common) > 1 else f"{mean:+.3f}")
         out.append(f"| {label(m)} | " + " | ".join(cells) + " |")
+    # how many seeds the paper's margin needs at the spread these seeds show
+    common = [s for s in seeds if s in res[chosen] and s in res[ref]]
+    if len(common) > 1:
+        sd = statistics.stdev(score(res[chosen][s]) - score(res[ref][s]) for s in common)
+        need = {edge: seeds_to_resolve(sd, edge) for edge in PAPER_EDGE.values()}
+        out += ["", f"At the seed-to-seed spread of {names.get(chosen, chosen)} minus {names.get(ref, ref)} on the mean "
+                f"(std {sd:.4f} over {len(common)} seeds), the seeds a 95 % interval needs to be narrower than the "
+                "paper's edge over FedKMT (Table I, open-ended QA): "
+                + ", ".join(f"{need[edge]} for its {n} edge ({edge:.3f} nats)" for n, edge in PAPER_EDGE.items()) + "."]
     partition = RESULTS / meta["case"] / "partition.json"
     mixtures = json.loads(partition.read_text()) if partition.exists() else {}
     out += ["", "The premise: each device's log perplexity per character (nats) on its own dominant domain against "

@@ -91,6 +91,9 @@ def test_deepfusion_case_chooses_vaa_s_weight_on_validation_and_pairs_against_fe
     assert "| deepfusion:alpha=10.0 |" not in out.split("per domain")[1]  # the chosen spec stands for the sweep
     # seed differences -0.1, -0.2, -0.1: mean -0.1333, half-width 4.303 * 0.05774 / sqrt(3) = 0.1434
     assert "| deepfusion:alpha=1.0 | -0.133 [-0.277, +0.010] | -0.133 [-0.277, +0.010] | -0.133 [-0.277, +0.010] |" in out
+    # at that spread (std 0.0577) the paper's edges over FedKMT (0.011, 0.021 nats) need 107 and 32 seeds
+    assert "(std 0.0577 over 3 seeds), the seeds a 95 % interval needs to be narrower than the paper's edge over " \
+           "FedKMT (Table I, open-ended QA): 107 for its N = 32 edge (0.011 nats), 32 for its N = 16 edge (0.021 nats)." in out
     assert "| dense base (before distillation) | 9.000 (0.000) | 9.000 (0.000) | 9.000 (0.000) | - | 9.500 (0.000) |" in out
     assert "| fedkmt | 3.100 (0.082) | 4.100 (0.082) | 3.600 (0.082) | 1.00 (0.00) | 4.600 (0.082) |" in out
     assert "| 1 | client0 | base | a (0.90) | 1.0000 | 1.2500 | -0.2500 |" in out
@@ -107,6 +110,15 @@ def test_deepfusion_case_chooses_vaa_s_weight_on_validation_and_pairs_against_fe
     assert "| deepfusion:alpha=1.0 (seeds 1, 2) | 2.950 (0.050) |" in out.split("per domain")[1]
     assert "| deepfusion:alpha=1.0 (seeds 1, 2) | -0.150 [" in out
     assert "| fedkmt | 3.100 (0.082) |" in out  # on every seed: no label
+
+
+def test_seeds_to_resolve_is_the_first_seed_count_whose_t_interval_is_narrower_than_the_margin():
+    tables = _tables()
+    # half-widths at std 0.01: 12.71 x 0.01 / sqrt(2) = 0.0898, then 0.0248, 0.0159, 0.0124, 0.0105 (6 seeds)
+    assert tables.seeds_to_resolve(0.01, 0.0111) == 6
+    assert tables.seeds_to_resolve(0.01, 0.0125) == 5  # 0.01242 at 5 seeds
+    assert tables.seeds_to_resolve(0.01, 0.0124) == 6  # ... is not narrower than 0.0124
+    assert tables.seeds_to_resolve(0.001, 0.1) == 2
 
 
 def test_save_merges_runs_of_one_partition_keeps_the_named_methods_and_refuses_two_partitions(tmp_path, monkeypatch):
