@@ -121,6 +121,18 @@ def seeds_to_resolve(sd: float, margin: float) -> int:
     return n
 
 
+def steps_to_close(first: float, last: float, span: float) -> float | None:
+    """The KD steps, beyond a run's, for a gap to a reference (positive: behind it) to reach 0 if it
+    kept the rate it closed at between the first and the last fifth of the run's steps (``span``
+    steps apart, the fifths' centres): 0 when it has closed, None when it did not narrow. A
+    straight line through two points: an estimate of the order, not a forecast."""
+    if last <= 0:
+        return 0.0
+    if last >= first:
+        return None
+    return last * span / (first - last)
+
+
 # -- table kinds ----------------------------------------------------------------------------------
 def ablation_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
     sys.path.insert(0, str(ROOT))
@@ -334,7 +346,9 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
     and overall; (4) the premise: each device's log perplexity per character on its own dominant
     domain (partition.json) against the student's, from the reference's server.jsonl; (5) per
     domain, the teachers' mean and best edge there beside what the reference moved from the dense
-    base and what the chosen spec moved beyond the reference."""
+    base and what the chosen spec moved beyond the reference; (6) what more weight and more steps
+    would take: each swept spec's test score minus the reference's per percentage point of its
+    gradient share, and the rate at which its KD CE gap to the reference closes (``steps_to_close``)."""
     ref, names, sweep = meta.get("reference", "fedkmt"), meta.get("names", {}), meta["sweep"]
     res = {m: {s: _result(d) for s, d in by.items()} for m, by in runs.items()}
     seeds = sorted({s for by in res.values() for s in by})
@@ -348,17 +362,19 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
         return r["per_user"][domain][f"{split}_{key}"] if domain else \
             statistics.fmean(r["per_user"][d][f"{split}_{key}"] for d in domains)
 
-    def grad(m: str) -> tuple[str, str]:
+    def grad(m: str) -> tuple[float | None, float | None]:
+        """The feature term's mean share of the student's gradient norm and its gradient's cosine with CE + KL's."""
         rows = [g for d in runs[m].values() for kd in _jsonl(d / "server.jsonl")[0]["kd"] if (g := kd.get("grad"))]
         share = [x[1] for g in rows for x in g["fm"]]
         cos = [x for g in rows for x in g["cos_fm_rest"]]
-        return (f"{statistics.fmean(share):.3f}" if share else "-", f"{statistics.fmean(cos):+.3f}" if cos else "-")
+        return (statistics.fmean(share) if share else None, statistics.fmean(cos) if cos else None)
 
-    def fifths(m: str, term: str, minus_ref: bool = True) -> tuple[str, str]:
+    def fifth_means(m: str, term: str, minus_ref: bool = True) -> tuple[float, float, float] | None:
         """The spec's KD term (minus the reference's on the same batches: the batch RNG is shared), in
-        the first and the last fifth of each domain's steps, averaged over domains and seeds: does
-        the gap close with more steps? does the feature loss fall further with more weight on it?"""
-        first, last = [], []
+        the first and the last fifth of each domain's steps, averaged over domains and seeds, and the
+        steps between the two fifths' centres: does the gap close with more steps? does the feature
+        loss fall further with more weight on it?"""
+        first, last, span = [], [], []
         for s, d in runs[m].items():
             if minus_ref and s not in runs[ref]:
                 continue
@@ -368,8 +384,13 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
                 fifth = max(1, len(xs) // 5)
                 first.append(statistics.fmean(xs[:fifth]))
                 last.append(statistics.fmean(xs[-fifth:]))
+                span.append(len(xs) - fifth)
+        return (statistics.fmean(first), statistics.fmean(last), statistics.fmean(span)) if first else None
+
+    def fifths(m: str, term: str, minus_ref: bool = True) -> tuple[str, str]:
         sign = "+" if minus_ref else ""
-        return (f"{statistics.fmean(first):{sign}.3f}", f"{statistics.fmean(last):{sign}.3f}") if first else ("-", "-")
+        got = fifth_means(m, term, minus_ref)
+        return (f"{got[0]:{sign}.3f}", f"{got[1]:{sign}.3f}") if got else ("-", "-")
 
     def label(m: str) -> str:
         """The spec's name, with its seeds where it ran on fewer than the case: a mean over
@@ -392,7 +413,8 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
         share, cos = grad(m)
         out.append(f"| {label(m)}{' (chosen)' if m == chosen else ''} | "
                    f"{_mean_std([score(r, 'valid') for r in res[m].values()], 3)} | "
-                   f"{_mean_std([score(r) for r in res[m].values()], 3)} | {share} | {cos} | "
+                   f"{_mean_std([score(r) for r in res[m].values()], 3)} | "
+                   f"{'-' if share is None else f'{share:.3f}'} | {'-' if cos is None else f'{cos:+.3f}'} | "
                    + " / ".join(fifths(m, "ce")) + " | " + " / ".join(fifths(m, "kl")) + " | "
                    + " / ".join(fifths(m, "fm", minus_ref=False)) + " |")
     order = [m for m in meta.get("order", runs) if m in runs]
@@ -468,6 +490,24 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
         vaa = statistics.fmean(score(res[chosen][s], domain=d) - score(res[ref][s], domain=d) for s in both)
         out.append(f"| {d} | {len(owners.get(d, ()))} | " + (f"{statistics.fmean(g):+.4f} | {min(g):+.4f}" if g else "- | -")
                    + f" | {moved:+.3f} | {vaa:+.3f} |")
+    # what more weight and more steps would take: the cost of each point of the feature term's
+    # gradient share on test, and whether KD's CE gap to the reference closes as the steps go on
+    out += ["", f"What more weight and more steps would take (each swept spec against {names.get(ref, ref)} on the "
+            "seeds both ran; the steps a straight line through the first and last fifth gives, an order of "
+            "magnitude):", "",
+            f"| swept | feature term's share of the student's gradient | test {what} minus {names.get(ref, ref)} | "
+            f"per percentage point of that share | KD's CE minus {names.get(ref, ref)}'s, change per 100 KD steps | "
+            "KD steps more a domain for that gap to close at that rate |", "|---|---:|---:|---:|---:|---:|"]
+    for m in sweep:
+        share, _ = grad(m)
+        common = [s for s in seeds if s in res[m] and s in res[ref]]
+        diff = statistics.fmean(score(res[m][s]) - score(res[ref][s]) for s in common)
+        ce = fifth_means(m, "ce")
+        close = steps_to_close(*ce) if ce else None
+        out.append(f"| {label(m)} | " + ("-" if share is None else f"{share:.3f}") + f" | {diff:+.3f} | "
+                   + ("-" if not share else f"{diff / (100 * share):+.4f}") + " | "
+                   + ("-" if not ce else f"{100 * (ce[1] - ce[0]) / ce[2]:+.4f}") + " | "
+                   + ("-" if not ce else "none: it widens" if close is None else f"{close:.0f}") + " |")
     return "\n".join(out)
 
 

@@ -88,7 +88,8 @@ def test_deepfusion_case_chooses_vaa_s_weight_on_validation_and_pairs_against_fe
            "-0.100 / -0.100 | 2.000 / 0.500 |" in out
     assert "| deepfusion:alpha=10.0 | 2.500 (0.000) | 1.500 (0.000) | 0.250 | -0.500 | +0.400 / +0.300 | +0.000 / +0.000 " \
            "| 2.000 / 0.700 |" in out
-    assert "| deepfusion:alpha=10.0 |" not in out.split("per domain")[1]  # the chosen spec stands for the sweep
+    # the chosen spec stands for the sweep in the per-domain and paired tables
+    assert "| deepfusion:alpha=10.0 |" not in out.split("per domain")[1].split("What more weight")[0]
     # seed differences -0.1, -0.2, -0.1: mean -0.1333, half-width 4.303 * 0.05774 / sqrt(3) = 0.1434
     assert "| deepfusion:alpha=1.0 | -0.133 [-0.277, +0.010] | -0.133 [-0.277, +0.010] | -0.133 [-0.277, +0.010] |" in out
     # at that spread (std 0.0577) the paper's edges over FedKMT (0.011, 0.021 nats) need 107 and 32 seeds
@@ -103,6 +104,12 @@ def test_deepfusion_case_chooses_vaa_s_weight_on_validation_and_pairs_against_fe
     # (one device dominant in each domain, counted once however many seeds ran it)
     assert "| a | 1 | -0.2500 | -0.2500 | -5.900 | -0.133 |" in out
     assert "| b | 1 | -0.4000 | -0.5000 | -4.900 | -0.133 |" in out
+    # what it would take: test minus FedKMT (-0.133; -2.1) per percentage point of the 0.25 share; KD's CE
+    # gap from +0.2 to +0.05 between fifths 8 steps apart: -1.875 per 100 steps, closed 0.05 * 8 / 0.15
+    # = 2.7 steps later (alpha=10: from +0.4 to +0.3, 0.3 * 8 / 0.1 = 24)
+    take = out.split("What more weight and more steps would take")[1]
+    assert "| deepfusion:alpha=1.0 | 0.250 | -0.133 | -0.0053 | -1.8750 | 3 |" in take
+    assert "| deepfusion:alpha=10.0 | 0.250 | -2.100 | -0.0840 | -1.2500 | 24 |" in take
     # a spec on fewer seeds than the case names its seeds wherever its mean sits beside others'
     shutil.rmtree(case / "seed3" / "deepfusion:alpha=1.0")
     out = tables.table("df")
@@ -119,6 +126,16 @@ def test_seeds_to_resolve_is_the_first_seed_count_whose_t_interval_is_narrower_t
     assert tables.seeds_to_resolve(0.01, 0.0125) == 5  # 0.01242 at 5 seeds
     assert tables.seeds_to_resolve(0.01, 0.0124) == 6  # ... is not narrower than 0.0124
     assert tables.seeds_to_resolve(0.001, 0.1) == 2
+
+
+def test_steps_to_close_extends_the_line_through_the_two_fifths_to_zero():
+    tables = _tables()
+    assert tables.steps_to_close(0.4, 0.3, 80) == pytest.approx(240)  # 0.1 closed in 80 steps: 0.3 in 240
+    assert tables.steps_to_close(0.03, 0.01, 80) == pytest.approx(40)
+    assert tables.steps_to_close(0.3, 0.3, 80) is None  # flat: never
+    assert tables.steps_to_close(0.2, 0.25, 80) is None  # widening: never
+    assert tables.steps_to_close(0.2, -0.01, 80) == 0  # already closed
+    assert tables.steps_to_close(0.2, 0.0, 80) == 0
 
 
 def test_save_merges_runs_of_one_partition_keeps_the_named_methods_and_refuses_two_partitions(tmp_path, monkeypatch):
