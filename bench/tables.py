@@ -409,8 +409,9 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
            "the same batches, first / last fifth of the steps | KL minus its, first / last fifth | feature loss FM, "
            "first / last fifth |",
            "|---|---|---|---:|---:|---:|---:|---:|"]
+    grads = {m: grad(m) for m in sweep}  # server.jsonl read once a spec: the last table uses the shares again
     for m in sweep:
-        share, cos = grad(m)
+        share, cos = grads[m]
         out.append(f"| {label(m)}{' (chosen)' if m == chosen else ''} | "
                    f"{_mean_std([score(r, 'valid') for r in res[m].values()], 3)} | "
                    f"{_mean_std([score(r) for r in res[m].values()], 3)} | "
@@ -499,7 +500,7 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
             f"per percentage point of that share | KD's CE minus {names.get(ref, ref)}'s, change per 100 KD steps | "
             "KD steps more a domain for that gap to close at that rate |", "|---|---:|---:|---:|---:|---:|"]
     for m in sweep:
-        share, _ = grad(m)
+        share, _ = grads[m]
         common = [s for s in seeds if s in res[m] and s in res[ref]]
         diff = statistics.fmean(score(res[m][s]) - score(res[ref][s]) for s in common)
         ce = fifth_means(m, "ce")
