@@ -262,8 +262,9 @@ def deepfusion_configs() -> None:
                           f"  the swept spec of the lowest mean valid_answer_log_ppl there (results.json) against FedKMT on "
                           f"two more seeds: ... --seeds 62 82 --methods fedkmt '<chosen spec>' "
                           f"run_dir=runs/df-sweep-rest\n"
-                          f"  the other baselines on one seed (OFA-KD reads the devices from the device cache; FedJETS's "
-                          f"devices take the same 200 steps over 4 rounds): ... --seeds 42 --methods ofa-kd "
+                          f"  the other baselines on one seed (OFA-KD reads the devices from the device cache, ~1.5 h on the "
+                          f"Xeon; FedJETS's devices take the same 200 steps over 4 rounds, ~34 min a round on the Xeon, "
+                          f"resumed after its last finished round): ... --seeds 42 --methods ofa-kd "
                           f"'fedjets:train.rounds=4,train.local_steps=50' central-moe run_dir=runs/df-baselines-42",
                           alpha_sweep(hetero, kd_steps=100, alphas=(10.0, 100.0, 1.0)))
                     # a second family with its own tokenizer (Gemma-3-270M, vocabulary 262k) beside a
