@@ -398,6 +398,44 @@ def test_central_moe_trains_the_same_moe_on_pooled_data_with_the_devices_budget(
     assert not torch.allclose(experts[0], experts[1])
 
 
+def test_central_moe_in_rounds_killed_and_resumed_trains_as_one_uninterrupted_run(tmp_path, monkeypatch):
+    """Rounds only checkpoint the central run: 2 rounds of 1 step, killed after the first and
+    resumed, give the MoE and the scores of 1 round of 2 steps (weights, AdamW moments, batch
+    generator, learning-rate schedule all carried), and the public tuning runs once, at the end."""
+    from comix.algorithms.central_moe import CentralMoE
+    from comix.cli import main
+    calls, real = [], CentralMoE.client_round
+
+    def counted(self, *a, **k):
+        calls.append(1)
+        if len(calls) == stop_at:
+            raise KeyboardInterrupt  # the session's end, before the second round
+        return real(self, *a, **k)
+    monkeypatch.setattr(CentralMoE, "client_round", counted)
+    data, stop_at = _domains(tmp_path / "data"), 0
+    args = [f"corpus={data}", *DF, "--seeds", "1", "--methods"]
+    assert main(["compare", f"run_dir={tmp_path / 'one'}", *args, "central-moe"]) == 0
+    calls.clear()
+    stop_at = 2
+    spec = "central-moe:train.rounds=2,train.local_steps=1"
+    assert main(["compare", f"run_dir={tmp_path / 'two'}", *args, spec]) == 130
+    calls.clear()
+    stop_at = 0
+    assert main(["compare", "--resume", str(tmp_path / "two")]) == 0 and len(calls) == 1  # round 2 only
+    one, two = tmp_path / "one" / "seed1" / "central-moe", next((tmp_path / "two" / "seed1").iterdir())
+    rows = [json.loads(x) for x in (two / "server.jsonl").read_text().splitlines()]
+    assert ["public" in r for r in rows] == [False, True]  # tuned once, after the last round
+    steps = {(r["round"], r["train_steps"]) for r in map(json.loads, (two / "metrics.jsonl").read_text().splitlines())
+             if "train_steps" in r}
+    assert steps == {(1, 5), (2, 5)}  # N x local_steps a round
+    assert json.loads((one / "server.jsonl").read_text())["public"] == rows[1]["public"]
+    assert json.loads((one / "results.json").read_text())["per_user"] == \
+        json.loads((two / "results.json").read_text())["per_user"]
+    a, b = (AutoModelForCausalLM.from_pretrained(d / "global-moe").state_dict() for d in (one, two))
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert not (two / "adapters").exists()  # the carried MoE is private state, not an adapter file
+
+
 def test_fedjets_devices_train_their_assigned_experts_only(tmp_path, monkeypatch):
     from comix.algorithms.fedjets import FedJETS
     from comix.cli import main

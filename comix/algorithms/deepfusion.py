@@ -69,9 +69,9 @@ class DeepFusion(Algorithm):
     name = "deepfusion"
     dp_refusal_reason = ("its one-shot upload is the whole device model: client-level DP would need "
                          "sample-level DP-SGD on the device, out of scope")
-    section = "deepfusion"
-    needs_server_data = True
+    section, needs_server_data = "deepfusion", True
     feature = "vaa"  # FM term of eq. 11: vaa (DeepFusion) | none (FedKMT) | ofa (OFA-KD)
+    one_shot = True  # the devices upload once (Sec. III): a single round
 
     def __init__(self, lora, train, n_clients, devices: list[str] | None = None, assign_seed: int = 0,
                  experts: int = 4, top_k: int = 2, encoder: str = MINILM, embed_examples: int = 64,
@@ -93,7 +93,7 @@ class DeepFusion(Algorithm):
         # every grad_log_every-th KD step (0: never) logs each term's gradient norm on the student
         # and its share: how much the feature term steers the student (two extra backward passes)
         self.grad_log_every, self.score_devices = grad_log_every, score_devices
-        if train.rounds != 1:
+        if self.one_shot and train.rounds != 1:
             raise ValueError(f"{self.name} is one-shot (devices upload once): train.rounds must be 1, got {train.rounds}")
         if not 1 <= experts <= (experts if self.pooled else n_clients):
             raise ValueError(f"deepfusion.experts = K = {experts} must lie in [1, N = {n_clients}] (the devices)")

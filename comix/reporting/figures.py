@@ -181,7 +181,8 @@ def plot_global_model(run_dir: Path, results: dict[str, dict[int, dict]], seeds:
     upload = [statistics.fmean(r["bytes_up_total"] / 2**20 for r in scored[s].values()) for s in specs]
     ax.bar_label(ax.bar(range(len(specs)), [u or float("nan") for u in upload], color="tab:orange"),  # 0: no bar
                  labels=[f"{u:,.0f}" for u in upload], fontsize=7)
-    ax.set_yscale("log")
+    if any(upload):  # central-moe alone uploads nothing: no bar for a log scale to place
+        ax.set_yscale("log")
     ax.set_title("(b) total upload (MB)")
     for ax in axes[:2]:
         ax.set_xticks(range(len(specs)), specs, rotation=20, ha="right", fontsize=7)
