@@ -398,30 +398,39 @@ def test_central_moe_trains_the_same_moe_on_pooled_data_with_the_devices_budget(
     assert not torch.allclose(experts[0], experts[1])
 
 
+class _KilledAt:
+    """Counts the calls of ``cls.name``; the call numbered ``at`` (0: none) raises
+    KeyboardInterrupt, a session's end. ``next_run(at)`` starts counting again."""
+
+    def __init__(self, monkeypatch, cls, name: str):
+        self.calls, self.at, real = [], 0, getattr(cls, name)
+
+        def counted(obj, *a, **k):
+            self.calls.append(1)
+            if len(self.calls) == self.at:
+                raise KeyboardInterrupt
+            return real(obj, *a, **k)
+        monkeypatch.setattr(cls, name, counted)
+
+    def next_run(self, at: int = 0) -> None:
+        self.calls.clear()
+        self.at = at
+
+
 def test_central_moe_in_rounds_killed_and_resumed_trains_as_one_uninterrupted_run(tmp_path, monkeypatch):
     """Rounds only checkpoint the central run: 2 rounds of 1 step, killed after the first and
     resumed, give the MoE and the scores of 1 round of 2 steps (weights, AdamW moments, batch
     generator, learning-rate schedule all carried), and the public tuning runs once, at the end."""
     from comix.algorithms.central_moe import CentralMoE
     from comix.cli import main
-    calls, real = [], CentralMoE.client_round
-
-    def counted(self, *a, **k):
-        calls.append(1)
-        if len(calls) == stop_at:
-            raise KeyboardInterrupt  # the session's end, before the second round
-        return real(self, *a, **k)
-    monkeypatch.setattr(CentralMoE, "client_round", counted)
-    data, stop_at = _domains(tmp_path / "data"), 0
-    args = [f"corpus={data}", *DF, "--seeds", "1", "--methods"]
+    kill = _KilledAt(monkeypatch, CentralMoE, "client_round")
+    args = [f"corpus={_domains(tmp_path / 'data')}", *DF, "--seeds", "1", "--methods"]
     assert main(["compare", f"run_dir={tmp_path / 'one'}", *args, "central-moe"]) == 0
-    calls.clear()
-    stop_at = 2
+    kill.next_run(at=2)  # before the second round
     spec = "central-moe:train.rounds=2,train.local_steps=1"
     assert main(["compare", f"run_dir={tmp_path / 'two'}", *args, spec]) == 130
-    calls.clear()
-    stop_at = 0
-    assert main(["compare", "--resume", str(tmp_path / "two")]) == 0 and len(calls) == 1  # round 2 only
+    kill.next_run()
+    assert main(["compare", "--resume", str(tmp_path / "two")]) == 0 and len(kill.calls) == 1  # round 2 only
     one, two = tmp_path / "one" / "seed1" / "central-moe", next((tmp_path / "two" / "seed1").iterdir())
     rows = [json.loads(x) for x in (two / "server.jsonl").read_text().splitlines()]
     assert ["public" in r for r in rows] == [False, True]  # tuned once, after the last round
@@ -1025,26 +1034,16 @@ def test_a_server_phase_killed_after_a_domain_resumes_there_with_the_numbers_of_
     from comix.algorithms.deepfusion import DeepFusion
     from comix.cli import main
 
-    calls, real = [], DeepFusion.distill
-
-    def counted(self, *a, **k):
-        calls.append(1)
-        if len(calls) == stop_at:
-            raise KeyboardInterrupt  # the session's end, during the second domain
-        return real(self, *a, **k)
-    monkeypatch.setattr(DeepFusion, "distill", counted)
-    data, stop_at = _domains(tmp_path / "data"), 0
-    args = [f"corpus={data}", *DF, "--methods", "deepfusion", "--seeds", "1"]
-    assert main(["compare", f"run_dir={tmp_path / 'a'}", *args]) == 0 and len(calls) == 3
-    calls.clear()
-    stop_at = 2
+    kill = _KilledAt(monkeypatch, DeepFusion, "distill")
+    args = [f"corpus={_domains(tmp_path / 'data')}", *DF, "--methods", "deepfusion", "--seeds", "1"]
+    assert main(["compare", f"run_dir={tmp_path / 'a'}", *args]) == 0 and len(kill.calls) == 3
+    kill.next_run(at=2)  # during the second domain
     assert main(["compare", f"run_dir={tmp_path / 'b'}", *args]) == 130
     method = tmp_path / "b" / "seed1" / "deepfusion"
     assert [p.name for p in (method / "distilled").iterdir()] == ["domain0.safetensors"]  # no temp file left
-    calls.clear()
-    stop_at = 0
+    kill.next_run()
     assert main(["compare", "--resume", str(tmp_path / "b")]) == 0
-    assert len(calls) == 2 and not (method / "distilled").exists()  # domains 1 and 2, then cleared
+    assert len(kill.calls) == 2 and not (method / "distilled").exists()  # domains 1 and 2, then cleared
     runs = [json.loads((tmp_path / r / "seed1" / "deepfusion" / "server.jsonl").read_text().splitlines()[0])
             for r in "ab"]
     for run in runs:  # each domain's own wall time: the one number an interruption may change
@@ -1064,9 +1063,9 @@ def test_a_server_phase_killed_after_a_domain_resumes_there_with_the_numbers_of_
     assert main(["compare", f"run_dir={tmp_path / 'd'}", *args]) == 130
     method = tmp_path / "d" / "seed1" / "deepfusion"
     assert sorted(p.name for p in (method / "distilled").iterdir()) == [f"domain{d}.safetensors" for d in range(3)]
-    calls.clear()
+    kill.next_run()
     assert main(["compare", "--resume", str(tmp_path / "d")]) == 0
-    assert calls == [] and not (method / "distilled").exists()
+    assert kill.calls == [] and not (method / "distilled").exists()
     assert json.loads((method / "results.json").read_text())["per_user"] == results[0]
     # a finished domain of other inputs (here: another alpha) is not reused
     from comix.algorithms.global_moe import DistilledDomains
