@@ -159,6 +159,25 @@ def report(runs: list[dict[tuple, list[float]]]) -> None:
     print(f"\nlargest disagreement between the two runs: {100 * worst:.1f} %")
 
 
+def profile(steps: dict, runtime: Runtime, calls: int = 5) -> None:
+    """The operators that take the time of one LoRA's and the n = 8 fused mixture's steps (after a
+    warm-up): the host's time beside the device's shows whether the step waits on kernel launches."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runtime.device.type == "cuda" else [])
+    for key in [k for k in steps if k[1] in ("lora", "n=8 fused")]:
+        for _ in range(2):
+            steps[key]()
+        sync(runtime)
+        t0 = time.perf_counter()
+        with torch_profile(activities=activities) as prof:
+            for _ in range(calls):
+                steps[key]()
+            sync(runtime)
+        print(f"\n{' '.join(key)}: {(time.perf_counter() - t0) / calls * 1e3:.1f} ms a step under the profiler")
+        for sort in ("self_cpu_time_total", *(("self_device_time_total",) if len(activities) > 1 else ())):
+            print(prof.key_averages().table(sort_by=sort, row_limit=12, max_name_column_width=48))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="blocks only, fewer repeats")
@@ -169,11 +188,15 @@ def main():
     ap.add_argument("--reps", type=int, default=0, help="timed calls per configuration (default 10 blocks, 8 models)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
+    ap.add_argument("--profile", choices=MODELS, help="instead: torch.profiler over that model's one LoRA and n=8 "
+                    "fused steps (where the time goes when a ratio misses its target)")
     args = ap.parse_args()
     runtime = resolve(args.device, args.precision)
     model_batch = args.model_batch or (8 if args.full else 2)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {runtime.device}, {runtime.precision}, "
           f"blocks {args.batch}x{args.seq}, whole model {model_batch}x{args.seq}")
+    if args.profile:
+        return profile(model_steps(args.profile, runtime, model_batch, args.seq, (8,)), runtime)
     steps = block_steps(runtime, args.batch, args.seq)
     runs = [interleaved(steps, args.reps or (4 if args.quick else 10), runtime) for _ in range(2)]
     del steps

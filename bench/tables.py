@@ -576,6 +576,7 @@ def vaa_attribution_table(text: str) -> str:
 
 
 BENCH_FILES = {"layer-speed.md": layer_speed_table, "layer-speed-full.md": layer_speed_table,  # written by a bench
+               "layer-speed-h200-bf16.md": layer_speed_table,
                "vaa-attribution.json": vaa_attribution_table, "vaa-attribution-long.json": vaa_attribution_table}
 
 

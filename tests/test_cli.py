@@ -282,6 +282,25 @@ def test_a_full_disk_while_writing_says_so_and_keeps_the_previous_file(tmp_path)
         atomic_write(target, lambda p: (_ for _ in ()).throw(RuntimeError("boom")))
 
 
+def test_a_cache_folder_built_by_two_processes_at_once_keeps_the_first_and_replaces_only_an_incomplete_one(tmp_path):
+    # pytest-xdist's workers on a fresh machine all built the byte tokenizer's cache: the later
+    # renames failed with ENOTEMPTY (seen on a 16-core GPU machine, 2026-11-27)
+    from comix.files import publish_dir
+
+    def built(name, text):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "tokenizer.json").write_text(text)
+        return tmp_path / name
+    target, complete = tmp_path / "byte-tokenizer", lambda p: (p / "tokenizer.json").exists()
+    publish_dir(built(".a", "first"), target, complete)
+    publish_dir(built(".b", "second"), target, complete)  # finished later: dropped, the winner's readers undisturbed
+    assert (target / "tokenizer.json").read_text() == "first" and [p.name for p in tmp_path.iterdir()] == [target.name]
+    (target / "tokenizer.json").unlink()
+    (target / "vocab.txt").write_text("an older layout")
+    publish_dir(built(".c", "third"), target, complete)
+    assert (target / "tokenizer.json").read_text() == "third" and not (target / "vocab.txt").exists()
+
+
 def test_model_shaped_options_are_checked_from_the_config_all_at_once(tmp_path, capsys, monkeypatch):
     """DeepFusion's device specs and stages against the base's sizes, every problem in
     one line naming deepfusion.devices / deepfusion.stages and the model, before any weights or

@@ -108,3 +108,26 @@ def test_micro_batches_auto_slices_the_small_devices_instead_of_quantising_them(
     assert main(["run", *common, "micro_batches=auto", f"run_dir={tmp_path / 'bad'}"]) == 2
     assert main(["run", *common, "micro_batches=[1,2]", f"run_dir={tmp_path / 'bad'}"]) == 2
     assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize("device, precision", [("cpu", "bf16"),
+                                               pytest.param("cuda", "fp32", marks=pytest.mark.skipif(
+                                                   not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_the_memory_plan_measures_the_base_where_and_as_the_run_holds_it(device, precision):
+    # a run's base is on its device and in its dtype before its fleet is planned: the measured
+    # step follows it (on an H200 the adapters stayed on the CPU and the step failed; on a CPU a
+    # bf16 base met the fp32 adapters without the run's autocast and failed too)
+    from comix.config import load_config
+    from comix.data import load_corpus, make_user_data
+    from comix.engines.device import training_memory
+    from comix.runtime import resolve
+    from comix.specs import build_algorithm
+    cfg = load_config(None, [*COMMON, "methods=[local]"])
+    model, tok = load_base_model("tiny-llama")
+    user, algo = make_user_data(load_corpus(cfg.corpus), tok, cfg.data)[0], build_algorithm(cfg, "local", 4)
+    cpu_fp32 = training_memory(model, algo, user, micro_batches=(1, 2))
+    held = training_memory(resolve(device, precision).prepare_base(load_base_model("tiny-llama")[0]), algo, user,
+                           micro_batches=(1, 2))
+    assert held["none", 1] > held["none", 2] > 0  # a slice's activations are smaller, wherever measured
+    if precision == "bf16":  # bf16 weights and activations: less than fp32 at every slicing
+        assert all(held[k] < cpu_fp32[k] for k in cpu_fp32)

@@ -226,8 +226,8 @@ class Footprint:
 def training_memory(base: nn.Module, algorithm: Algorithm, user: UserData, client: int = 0,
                     measured: dict | None = None, micro_batches: tuple[int, ...] = (1,)) -> dict[tuple[str, int], float]:
     """MB client ``client`` of ``algorithm`` needs to train on ``user``'s data, with the
-    full-precision ``base`` at each precision and each batch in each number of ``micro_batches``
-    slices: {(precision, slices): MB}. The base's bytes (its block linears at 4 bytes, 1 byte + a
+    unquantised ``base`` (on the run's device, in its dtype) at each precision and each batch in
+    each number of ``micro_batches`` slices: {(precision, slices): MB}. The base's bytes (its block linears at 4 bytes, 1 byte + a
     scale per row, or half a byte + a scale per block of 64: bitsandbytes' int8 and NF4 storage),
     the trainable state (parameters, gradients, AdamW's moments, fp32; with slices one more
     gradient, the sum the slices accumulate into) and the activations of one measured training
@@ -243,8 +243,13 @@ def training_memory(base: nn.Module, algorithm: Algorithm, user: UserData, clien
     key = (repr(cfg), tuple(x.shape), tuple(micro_batches))
     if measured is not None and key in measured:
         return measured[key]
-    model = inject_adapters(copy.deepcopy(base), cfg).train()
+    # measured where and as the run holds its base (a run's base is on its device, in its dtype
+    # before the fleet is planned): the adapters follow it, and the step runs under the autocast
+    # the run trains with (comix/runtime.py), else a bf16 base meets fp32 adapters
+    weight = next(p for p in base.parameters() if p.is_floating_point())
+    model = inject_adapters(copy.deepcopy(base), cfg).to(weight.device).train()
     fresh_adapters(model, 0)
+    autocast = torch.autocast(weight.device.type, dtype=weight.dtype, enabled=weight.dtype != torch.float32)
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     linears = [m for b in transformer_blocks(base) for m in b.modules() if type(m) is nn.Linear]
     weights = sum(m.weight.numel() for m in linears)
@@ -255,7 +260,7 @@ def training_memory(base: nn.Module, algorithm: Algorithm, user: UserData, clien
     from ..algorithms.training import lm_loss
     need = {}
     for m in micro_batches:
-        with Footprint(model) as footprint:
+        with Footprint(model) as footprint, autocast:
             lm_loss(model, x.chunk(m)[0], y.chunk(m)[0]).backward()
         model.zero_grad(set_to_none=True)
         trainable = params * (16 if m == 1 else 20)

@@ -16,13 +16,12 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-import shutil
 import tempfile
 from pathlib import Path
 
 import torch
 
-from ..files import cache_dir
+from ..files import cache_dir, publish_dir
 
 TINY = ("tiny-llama", "tiny-gpt2", "tiny-qwen2")
 OFFLINE = ("smollm2-135m", "gemma3-270m")
@@ -151,8 +150,8 @@ def offline_model(spec: str, dtype=torch.float32):
         tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{spec}-"))
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        shutil.rmtree(target, ignore_errors=True)
-        os.replace(tmp, target)  # atomic: a killed first load leaves no half-written cache
+        # atomic: a killed first load leaves no half-written cache
+        publish_dir(tmp, target, lambda p: (p / "model.safetensors").exists())
     return from_pretrained(str(target), dtype)
 
 
@@ -258,7 +257,6 @@ def _tokenizer_dir(spec: str, tok) -> str:
         if not (path / "tokenizer.json").exists():
             tmp = Path(tempfile.mkdtemp(dir=cache_dir(), prefix=".byte-tokenizer-"))
             tok.save_pretrained(tmp)
-            shutil.rmtree(path, ignore_errors=True)
-            os.replace(tmp, path)
+            publish_dir(tmp, path, lambda p: (p / "tokenizer.json").exists())
         return str(path)
     return spec
