@@ -45,17 +45,17 @@ def atomic_write(path: Path, write: Callable[[str], None]) -> None:
             os.unlink(tmp)
 
 
-def publish_dir(tmp: Path, target: Path, complete: Callable[[Path], bool]) -> None:
+def publish_dir(tmp: Path, target: Path, marker: str) -> None:
     """Move the finished folder ``tmp`` to ``target`` in one rename. Processes that build the same
     cache at once (pytest-xdist's workers, two runs started together on a fresh machine) race here:
     the first rename wins and the others drop their copies, since a rename onto a non-empty folder
     fails (ENOTEMPTY) and removing the winner's folder would pull it from under its readers. Only a
-    ``target`` that is not ``complete`` (left by an older layout) is replaced."""
+    ``target`` without the file ``marker`` (left by an older layout) is replaced."""
     try:
         os.replace(tmp, target)
     except OSError:
-        if not complete(target):
+        if (target / marker).exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
             shutil.rmtree(target, ignore_errors=True)
             os.replace(tmp, target)
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)

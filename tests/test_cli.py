@@ -291,13 +291,13 @@ def test_a_cache_folder_built_by_two_processes_at_once_keeps_the_first_and_repla
         (tmp_path / name).mkdir()
         (tmp_path / name / "tokenizer.json").write_text(text)
         return tmp_path / name
-    target, complete = tmp_path / "byte-tokenizer", lambda p: (p / "tokenizer.json").exists()
-    publish_dir(built(".a", "first"), target, complete)
-    publish_dir(built(".b", "second"), target, complete)  # finished later: dropped, the winner's readers undisturbed
+    target = tmp_path / "byte-tokenizer"
+    publish_dir(built(".a", "first"), target, "tokenizer.json")
+    publish_dir(built(".b", "second"), target, "tokenizer.json")  # finished later: dropped, the winner's readers undisturbed
     assert (target / "tokenizer.json").read_text() == "first" and [p.name for p in tmp_path.iterdir()] == [target.name]
     (target / "tokenizer.json").unlink()
     (target / "vocab.txt").write_text("an older layout")
-    publish_dir(built(".c", "third"), target, complete)
+    publish_dir(built(".c", "third"), target, "tokenizer.json")
     assert (target / "tokenizer.json").read_text() == "third" and not (target / "vocab.txt").exists()
 
 

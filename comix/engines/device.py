@@ -227,11 +227,11 @@ def training_memory(base: nn.Module, algorithm: Algorithm, user: UserData, clien
                     measured: dict | None = None, micro_batches: tuple[int, ...] = (1,)) -> dict[tuple[str, int], float]:
     """MB client ``client`` of ``algorithm`` needs to train on ``user``'s data, with the
     unquantised ``base`` (on the run's device, in its dtype) at each precision and each batch in
-    each number of ``micro_batches`` slices: {(precision, slices): MB}. The base's bytes (its block linears at 4 bytes, 1 byte + a
-    scale per row, or half a byte + a scale per block of 64: bitsandbytes' int8 and NF4 storage),
-    the trainable state (parameters, gradients, AdamW's moments, fp32; with slices one more
-    gradient, the sum the slices accumulate into) and the activations of one measured training
-    step (its first batch, or that batch's first slice). ``measured`` memoises by adapter
+    each number of ``micro_batches`` slices: {(precision, slices): MB}. The base's bytes (its
+    block linears at 4 bytes, 1 byte + a scale per row, or half a byte + a scale per block of 64:
+    bitsandbytes' int8 and NF4 storage), the trainable state (parameters, gradients, AdamW's
+    moments, fp32; with slices one more gradient, the sum the slices accumulate into) and the
+    activations of one measured training step (its first batch, or that batch's first slice). ``measured`` memoises by adapter
     architecture and batch shape: clients alike are measured once."""
     import copy
 

@@ -151,7 +151,7 @@ def offline_model(spec: str, dtype=torch.float32):
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         # atomic: a killed first load leaves no half-written cache
-        publish_dir(tmp, target, lambda p: (p / "model.safetensors").exists())
+        publish_dir(tmp, target, "model.safetensors")
     return from_pretrained(str(target), dtype)
 
 
@@ -257,6 +257,6 @@ def _tokenizer_dir(spec: str, tok) -> str:
         if not (path / "tokenizer.json").exists():
             tmp = Path(tempfile.mkdtemp(dir=cache_dir(), prefix=".byte-tokenizer-"))
             tok.save_pretrained(tmp)
-            publish_dir(tmp, path, lambda p: (p / "tokenizer.json").exists())
+            publish_dir(tmp, path, "tokenizer.json")
         return str(path)
     return spec
