@@ -116,10 +116,13 @@ def test_quant_auto_gives_each_device_its_own_base_and_each_trains_as_alone_at_t
     from comix.data import load_corpus, make_user_data
     from comix.engines.device import training_memory
     from comix.models import load_base_model
+    from comix.runtime import resolve
     from comix.specs import build_algorithm
     common = [*COMMON, "methods=[local]", "train.rounds=1"]
     cfg = load_config(None, common)
     model, tok = load_base_model("tiny-llama")
+    # measured where and as the run holds its base (on CUDA a step saves other tensors than on the CPU)
+    model = resolve(cfg.device, cfg.precision).prepare_base(model)
     need = training_memory(model, build_algorithm(cfg, "local", 4), make_user_data(load_corpus(cfg.corpus), tok,
                                                                                    cfg.data)[0])
     fleet = _fleet_file(tmp_path, f"profiles:\n  - {{name: small, share: 0.5, memory_mb: {(need['none', 1] + need['nf4', 1]) / 2}, "
@@ -185,10 +188,12 @@ def test_experts_and_ranks_auto_are_sized_per_device_and_written_into_the_run_s_
     from comix.data import load_corpus, make_user_data
     from comix.engines.device import training_memory
     from comix.models import load_base_model
+    from comix.runtime import resolve
     from comix.specs import build_algorithm
     common = [*COMMON, "train.rounds=1", "train.local_steps=1"]
     cfg = load_config(None, common)
     model, tok = load_base_model("tiny-llama")
+    model = resolve(cfg.device, cfg.precision).prepare_base(model)  # as the run holds its base
     users = make_user_data(load_corpus(cfg.corpus), tok, cfg.data)
     need = {v: training_memory(model, build_algorithm(cfg, f"comigs-1gxs:experts=[{v},{v},{v},{v}]", 4), users[0])["none", 1]
             for v in (3, 4)}
