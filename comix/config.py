@@ -189,6 +189,11 @@ class RunConfig:
         problem = self.privacy.problem()
         if problem:
             raise ConfigError(problem)
+        if t.cohort != "auto" and (not isinstance(t.cohort, int) or isinstance(t.cohort, bool) or t.cohort < 1):
+            raise ConfigError(f"train.cohort must be auto or a whole number >= 1 (1: one client at a time), got {t.cohort!r}")
+        if t.cohort != 1 and self.engine != "inprocess":
+            raise ConfigError(f"train.cohort={t.cohort} trains clients together in one process: engine=inprocess only "
+                              f"(engine={self.engine} runs each device in its own process)")
         if t.load_balance not in ("none", "uniform", "generalist"):
             raise ConfigError(f"train.load_balance must be none, uniform or generalist, got {t.load_balance!r}")
         return self
@@ -230,7 +235,8 @@ def _set(obj, dotted: str, value, prefix: str = "") -> None:
         value = float(value)
     default = getattr(type(obj)(), head) if dataclasses.is_dataclass(obj) else current
     per_client = (key == "quant" and isinstance(value, list) and all(isinstance(v, str) for v in value)) or \
-        (key == "micro_batches" and (value == "auto" or isinstance(value, list) and all(isinstance(v, int) for v in value)))
+        (key == "micro_batches" and (value == "auto" or isinstance(value, list) and all(isinstance(v, int) for v in value))) or \
+        (key == "train.cohort" and value == "auto")
     if not per_client and not _type_ok(value, default if default is not None else current):
         want = type(default).__name__ if default is not None else "a value"
         raise ConfigError(f"config key {key!r} expects {want}, got {value!r}")

@@ -28,9 +28,9 @@ from ..data import UserData, sample_batch
 from ..models import AdapterConfig, LoRAConfig
 from ..privacy import PrivacyConfig
 from ..runtime import Runtime
-from .training import (ClientState, Tensors, TrainConfig, adapter_tensors, average, batch_generator, expert_lr,
-                       expert_params, keep_optimizer, load_adapters, make_optimizer, mean_of_sums,
-                       model_load_balance, train_step)
+from .training import (ClientState, InterleavedSteps, Tensors, TrainConfig, adapter_tensors, average,
+                       batch_generator, expert_lr, expert_params, keep_optimizer, load_adapters, make_optimizer,
+                       mean_of_sums, model_load_balance, train_step)
 
 
 @dataclass
@@ -188,6 +188,34 @@ class Algorithm:
                    "or whole models), and SecAgg+ reveals only the sum"
         return None
 
+    def cohort_refusal(self) -> str | None:
+        """Why this method's clients cannot train together in a cohort (algorithms/cohort.py),
+        one line, or None. A cohort runs the contract's default local round (``client_round``:
+        payload, ``local_training`` with ``train_params``, ``train_batch`` and the ``interleaved``
+        steps, upload) on adapters made of plain LoRA factors and mixture routers; a method that
+        writes any other part of its round itself keeps its own client step, one client at a time."""
+        if self.pooled or not self.trains:
+            return "it trains one pooled model or none: there is no cohort of clients"
+        if self.device_spec(0) is not None:
+            return "each device trains its own model, not adapters over the one shared base"
+        own = [name for name in ("client_round", "local_training", "regularizer", "after_expert_step", "load_state",
+                                 "save_state") if getattr(type(self), name) is not getattr(Algorithm, name)]
+        if own:
+            return f"it writes its own {', '.join(own)}: that client step runs as written, one client at a time"
+        for c in range(self.n_clients):
+            cfg = self.adapter_config(c)
+            kinds = [what for what, has in (("a personal LoRA pair", cfg.personal or cfg.attention_personal),
+                                            ("a merged update", cfg.merged), ("AMoLE modules", cfg.amole is not None),
+                                            ("FedLEASE's experts", cfg.lease is not None),
+                                            ("a soft prompt", cfg.prompt is not None),
+                                            ("unfused experts", cfg.mlp == "mixture" and not cfg.fused)) if has]
+            if kinds:
+                return f"its adapters hold {kinds[0]}, which the cohort's stacked layers do not carry"
+            if any(lora.dropout > 0 for lora in (cfg.lora, cfg.mlp_lora) if lora is not None):
+                return "its LoRA dropout draws masks from one generator per client turn, which a cohort does not " \
+                       "reproduce (equal results are the cohort's contract)"
+        return None
+
     def dp_exempt(self, name: str) -> bool:
         """Upload tensors outside DP's clip and noise (privacy.md and the epsilon say they are not
         covered); none by default."""
@@ -305,8 +333,26 @@ class Algorithm:
         keep_optimizer(state, "experts", opt, self.train)
         return torch.stack(losses).tolist()  # one device sync per round, not one per step
 
+    def interleaved(self) -> InterleavedSteps | None:
+        """The steps of a second optimiser this method interleaves with its expert iterations
+        (CoMiGS's router steps), or None."""
+        return None
+
     def after_expert_step(self, ctx: ClientContext, state: ClientState, gen: torch.Generator) -> None:
-        """Hook for algorithms that interleave other updates (CoMiGS's router steps)."""
+        """After each expert iteration: the ``interleaved`` steps when their period comes."""
+        phase = self.interleaved()
+        if phase is None or state.step % phase.every != 0 or not phase.params(ctx.model):
+            return
+        named = phase.params(ctx.model)
+        opt = make_optimizer(named, state, phase.key, self.train, lr=phase.lr)
+        scaler = ctx.runtime.grad_scaler()
+        split = ctx.data.valid if phase.split == "valid" else ctx.data.train
+        for _ in range(phase.steps):
+            x, y = sample_batch(split, self.train.batch_size, self.train.seq_len, gen)
+            train_step(ctx.model, x, y, [p for _, p in named], opt, self.train.grad_clip, scaler,
+                       ctx.runtime.micro_batches_of(ctx.client),
+                       lambda: self.train.lb_weight * model_load_balance(ctx.model, self.train.load_balance))
+        keep_optimizer(state, phase.key, opt, self.train)
 
     def train_batch(self, ctx: ClientContext, gen: torch.Generator):
         data = ctx.data

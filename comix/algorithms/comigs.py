@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import re
 
-from ..data import sample_batch
 from ..models import AdapterConfig, LoRAConfig
-from .base import Algorithm, ClientContext, ClientState
-from .training import TrainConfig, keep_optimizer, make_optimizer, model_load_balance, router_params, train_step
+from .base import Algorithm
+from .training import InterleavedSteps, TrainConfig, router_params
 
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
 
@@ -66,15 +65,11 @@ class CoMiGS(Algorithm):
             return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         return super().train_params(model)
 
-    def after_expert_step(self, ctx: ClientContext, state: ClientState, gen) -> None:
-        if self.router_update == "joint" or state.step % self.train.tau != 0 or not router_params(ctx.model):
-            return
-        params = [p for _, p in router_params(ctx.model)]
-        opt = make_optimizer(router_params(ctx.model), state, "router", self.train, lr=self.train.router_lr)
-        scaler = ctx.runtime.grad_scaler()
-        for _ in range(self.train.router_steps):
-            split = ctx.data.valid if self.router_update == "valid" else ctx.data.train
-            x, y = sample_batch(split, self.train.batch_size, self.train.seq_len, gen)
-            train_step(ctx.model, x, y, params, opt, self.train.grad_clip, scaler, ctx.runtime.micro_batches_of(ctx.client),
-                       lambda: self.train.lb_weight * model_load_balance(ctx.model, self.train.load_balance))
-        keep_optimizer(state, "router", opt, self.train)
+    def interleaved(self) -> InterleavedSteps | None:
+        # Alg. 1: every tau expert iterations, s router steps on validation batches (eq. 8) with the
+        # router's own constant-lr AdamW (App. B.1); "-tr": on fresh training batches; "joint": none
+        if self.router_update == "joint":
+            return None
+        return InterleavedSteps("router", self.train.tau, self.train.router_steps,
+                                "valid" if self.router_update == "valid" else "train", self.train.router_lr,
+                                router_params)

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from ..models import MixtureOfLoRAMLP, load_balance_loss, mixtures, param_role
+from ..models.cohort import clients_of
 from ..runtime import to_cpu
 
 Tensors = dict[str, torch.Tensor]
@@ -79,6 +80,9 @@ class TrainConfig:
     max_new_tokens: int = 128       # generation tasks: greedy answer length cap (FedAMoLE's evaluator)
     rouge: str = "rouge"            # Rouge-L of generations: rouge (the authors' package) | rouge-score (eval/tasks.py)
     tensorboard: bool = False       # also TensorBoard event files per method and user (comix/tracking.py)
+    # clients trained together in one step over the shared base (algorithms/cohort.py; in-process
+    # engine): 1 = one after another; N = cohorts of up to N; auto = as many as memory holds
+    cohort: int | str = 1
 
 
 # FedAMoLE journal Sec. V-A-4: "the Adam optimizer with ... a learning rate 5e-5 ... and a learning
@@ -287,9 +291,27 @@ def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def model_load_balance(model: nn.Module, weighting: str) -> torch.Tensor:
-    """Mean over blocks of each block's load-balance loss (from its last forward)."""
+    """Mean over blocks of each block's load-balance loss (from its last forward); for a cohort
+    (models/cohort.py) one such mean per client, shape (clients,)."""
+    clients = clients_of(model)
     layers = [m for m in mixtures(model) if isinstance(m, MixtureOfLoRAMLP) and m.last_routing is not None
               and m.n_experts > 1]
     if not layers or weighting == "none":
-        return torch.zeros(())
-    return torch.stack([load_balance_loss(m.last_routing, m.n_experts, weighting) for m in layers]).mean()
+        return torch.zeros((clients,) if clients > 1 else ())
+    return torch.stack([load_balance_loss(m.last_routing, m.n_experts, weighting, clients) for m in layers]).mean(0)
+
+
+@dataclass(frozen=True)
+class InterleavedSteps:
+    """Steps of a second optimiser interleaved with the expert iterations, stated so that both
+    executors (one client at a time: ``Algorithm.after_expert_step``; a cohort in lockstep:
+    algorithms/cohort.py) run the same ones: after every ``every``-th expert iteration, ``steps``
+    steps of the parameters ``params(model)`` on fresh batches of the client's ``split``, with
+    the AdamW named ``key`` in the client's state at the constant ``lr``, minimising the LM loss
+    plus lb_weight x the load balance (CoMiGS Alg. 1 and eq. 8: the router on validation data)."""
+    key: str
+    every: int
+    steps: int
+    split: str
+    lr: float
+    params: Callable[[nn.Module], list[tuple[str, nn.Parameter]]]

@@ -307,23 +307,30 @@ class Device:
                 Footprint(self.model) as footprint:
             torch.manual_seed((self.seed * 1_000_003 + self.client) * 1_000_003 + state.step)
             state, upload, metrics = self.algorithm.client_round(self.context(), state, payload)
+        metrics["tokens"] = footprint.tokens
+        self.store[self.client] = state
+        return self.reply(payload, upload, metrics, time.perf_counter() - t0, footprint.peak)
+
+    def reply(self, payload: Tensors, upload: Tensors, metrics: dict, seconds: float, activation_bytes: int
+              ) -> tuple[Tensors, dict]:
+        """What leaves the device after its round, however it was trained (alone, or in a cohort:
+        engines/inprocess.py): the upload, clipped here for DP-FedAvg, and the round's metrics."""
         # DP-FedAvg's clip, here on the device: nothing unclipped leaves it. The norm of the update
         # (upload minus payload) is reported whatever the clip: what a user sets privacy.clip from.
         if upload and self.algorithm.dp_refusal() is None:
             upload, norm = clip_upload(upload, payload, self.algorithm.privacy.clip, self.algorithm.dp_exempt)
             metrics["update_norm"] = round(norm, 6)
-        metrics["train_s"] = round(time.perf_counter() - t0, 4)
+        metrics["train_s"] = round(seconds, 4)
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         metrics["trainable_mb"] = round(trainable * 4 * 4 / 2**20, 3)
         base_mb = base_bytes(self.model) / 2**20
         micro = self.runtime.micro_batches_of(self.client)
         held = metrics["trainable_mb"] * (1.25 if micro > 1 else 1)  # slices: one more gradient, their sum
-        metrics.update(tokens=footprint.tokens, quant=self.runtime.quant_of(self.client), micro_batches=micro,
-                       base_mb=round(base_mb, 3), activation_mb=round(footprint.peak / 2**20, 3),
-                       memory_mb=round(base_mb + held + footprint.peak / 2**20, 3))
-        if cuda:
+        metrics.update(quant=self.runtime.quant_of(self.client), micro_batches=micro,
+                       base_mb=round(base_mb, 3), activation_mb=round(activation_bytes / 2**20, 3),
+                       memory_mb=round(base_mb + held + activation_bytes / 2**20, 3))
+        if self.runtime.device.type == "cuda":
             metrics["peak_mem_mb"] = round(torch.cuda.max_memory_allocated(self.runtime.device) / 2**20, 1)
-        self.store[self.client] = state
         return upload, metrics
 
     def finish(self, payload: Tensors) -> None:

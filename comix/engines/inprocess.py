@@ -11,23 +11,30 @@ is the one the Flower engine runs too; here its requests are plain calls.
 from __future__ import annotations
 
 import copy
+import logging
 import shutil
+import time
 from pathlib import Path
 from typing import Callable
 
+import torch
 from torch import nn
 
-from ..algorithms import Algorithm
+from ..algorithms import Algorithm, ClientContext, ClientState
 from ..algorithms.base import ServerContext, Tensors
+from ..algorithms.cohort import CohortMember, cohort_round
 from ..data import UserData
 from ..models import inject_adapters
+from ..models.cohort import stack_clients
 from ..models.mixture import set_compiled
-from ..models.quant import quant_of_base, quantize_base, shared_objects
+from ..models.quant import base_bytes, quant_of_base, quantize_base, shared_objects
 from ..runtime import Runtime
 from ..progress import step as phase_step
 from ..files import atomic_write
-from .device import Device, RoundStore, StateStore, evaluate
+from .device import Device, Footprint, RoundStore, StateStore, evaluate
 from .server import finish_run, serve
+
+log = logging.getLogger("comix")
 
 
 class ClientModels:
@@ -67,18 +74,92 @@ class ClientModels:
         return self.models[key]
 
 
+def cohort_size(algorithm: Algorithm, base: nn.Module, users: list[UserData], runtime: Runtime) -> tuple[int, str]:
+    """How many clients train together in one step (``train.cohort``; algorithms/cohort.py) and,
+    when a cohort was asked for but cannot be, why (one line). ``auto``: as many of the clients
+    as 80 % of the device's free memory holds, at one client's measured training need beyond
+    the frozen base (``training_memory``: trainable state and one step's activations)."""
+    want = algorithm.train.cohort
+    if want == 1:
+        return 1, ""
+    config = getattr(base, "config", None)
+    dropouts = {k: v for k, v in (vars(config) if config is not None else {}).items()
+                if ("dropout" in k or k.endswith("pdrop")) and isinstance(v, float) and v > 0}
+    reason = algorithm.cohort_refusal() or (
+        "fp16 scales each client's loss on its own (a skipped step is per client)" if runtime.precision == "fp16" else
+        "its devices compute their batches in slices (micro_batches)" if runtime.micro_batches != 1 else
+        f"the base model's dropout ({', '.join(dropouts)}) draws per client turn" if dropouts else None)
+    if reason:
+        return 1, reason
+    if want != "auto":
+        return min(want, len(users)), ""
+    from .device import training_memory
+    need = training_memory(base, algorithm, users[0], micro_batches=(1,))[(runtime.quant_of(0), 1)]
+    per_client = max(1.0, need - base_bytes(base) / 2**20)  # MB
+    if runtime.device.type == "cuda":
+        free = torch.cuda.mem_get_info(runtime.device)[0] / 2**20
+    else:  # Linux: what the kernel can give without swapping
+        meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        free = int(meminfo["MemAvailable"].split()[0]) / 1024
+    return max(1, min(len(users), int(0.8 * free / per_client))), ""
+
+
 class InProcess:
-    """The transport of ``serve``: direct calls into every client's ``Device``, one at a time."""
+    """The transport of ``serve``: direct calls into every client's ``Device``, one at a time, or
+    (``train.cohort`` > 1, for the methods a cohort can run: ``Algorithm.cohort_refusal``) a
+    cohort of clients at a time in lockstep over the one base (algorithms/cohort.py)."""
 
     def __init__(self, algorithm: Algorithm, base: nn.Module, users: list[UserData], seed: int,
                  store: StateStore, runtime: Runtime = Runtime()):
-        models = ClientModels(base, algorithm, runtime)
+        self.models = models = ClientModels(base, algorithm, runtime)
         n = 1 if algorithm.pooled else len(users)
         data_of = (lambda c: users) if algorithm.pooled else (lambda c: users[c])
         self.devices = [Device(algorithm, models.for_client(c), data_of(c), c, seed, store, runtime)
                         for c in range(n)]
         self.users, self.store, self.pooled = users, store, algorithm.pooled
-        self.round = 0
+        self.algorithm, self.runtime, self.round = algorithm, runtime, 0
+        self.cohort, why = cohort_size(algorithm, base, users, runtime) if not algorithm.pooled else (1, "")
+        if why:
+            log.warning("%s: train.cohort=%s, but its clients train one at a time: %s", algorithm.name,
+                        algorithm.train.cohort, why)
+        self.stacked: dict = {}  # (client model, cohort size) -> its stacked copy (models/cohort.py)
+
+    def _cohorts(self, clients: list[int]) -> list[list[tuple[int, ClientState | None]]]:
+        """The round's clients in cohorts of at most ``self.cohort``: clients alike in adapter
+        architecture, base precision and steps taken (their schedules and interleaved steps then
+        agree), each with its state; one client alone trains as a ``Device`` does (state None)."""
+        if self.cohort == 1:
+            return [[(c, None)] for c in clients]
+        groups: dict = {}
+        for c in clients:
+            state = self.store[c]
+            key = (id(self.devices[c].model), self.runtime.quant_of(c), state.step)
+            groups.setdefault(key, []).append((c, state))
+        out = [g[i:i + self.cohort] for g in groups.values() for i in range(0, len(g), self.cohort)]
+        return [g if len(g) > 1 else [(g[0][0], None)] for g in out]
+
+    def _train_cohort(self, group: list[tuple[int, ClientState]], payloads) -> dict:
+        clients = [c for c, _ in group]
+        key = (id(self.devices[clients[0]].model), len(group))
+        if key not in self.stacked:
+            if len(self.stacked) >= 4:  # bounded: drop the oldest (sampled rounds vary the last cohort's size)
+                self.stacked.pop(next(iter(self.stacked)))
+            self.stacked[key] = stack_clients(self.devices[clients[0]].model, len(group))
+        model, a, rt = self.stacked[key], self.algorithm, self.runtime
+        members = [CohortMember(c, self.devices[c].data, state, payloads[c]) for c, state in group]
+        contexts = [ClientContext(c, model, self.devices[c].data, a.train, rt) for c in clients]
+        if rt.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(rt.device)
+        t0 = time.perf_counter()
+        with rt.autocast(), Footprint(model) as footprint:
+            results = cohort_round(a, model, members, contexts)
+        seconds = (time.perf_counter() - t0) / len(group)  # the cohort's wall time, shared
+        out = {}
+        for c, (state, upload, metrics) in zip(clients, results):
+            self.store[c] = state
+            metrics["cohort"] = len(group)
+            out[c] = self.devices[c].reply(payloads[c], upload, metrics, seconds, footprint.peak // len(group))
+        return out
 
     def _rounds(self, read: int, write: int) -> None:
         if isinstance(self.store, RoundStore):  # offloaded states are files per client and round
@@ -92,9 +173,13 @@ class InProcess:
         self.round += 1
         self._rounds(self.round - 1, self.round)
         out = {}
-        for i, (c, p) in enumerate(payloads.items()):
-            out[c] = self.devices[c].train(p)
-            phase_step(f"round {self.round}: clients trained", i + 1, len(payloads))
+        for group in self._cohorts(list(payloads)):
+            if group[0][1] is None:
+                c = group[0][0]
+                out[c] = self.devices[c].train(payloads[c])
+            else:
+                out.update(self._train_cohort(group, payloads))
+            phase_step(f"round {self.round}: clients trained", len(out), len(payloads))
         return out
 
     def finish(self, payloads) -> None:

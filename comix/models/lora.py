@@ -52,6 +52,17 @@ def linear_dims(layer: nn.Module) -> tuple[int, int]:
     raise TypeError(f"LoRA needs nn.Linear or Conv1D, got {type(layer).__name__}")
 
 
+def client_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` where ``weight`` is one (out, in) matrix, or one per client (C, out, in)
+    applied to the C equal client-major parts of ``x``'s leading axes (rows of client c times
+    client c's matrix: one batched product, no loop over clients)."""
+    if weight.dim() == 2:
+        return x @ weight.t()
+    clients = weight.shape[0]
+    rows = x.reshape(clients, -1, x.shape[-1])
+    return torch.bmm(rows, weight.transpose(1, 2)).reshape(*x.shape[:-1], weight.shape[1])
+
+
 class LoRAWeights(nn.Module):
     """The two low-rank factors of one adapter: ``lora_A`` (rank x in), ``lora_B`` (out x rank)."""
 
@@ -66,7 +77,8 @@ class LoRAWeights(nn.Module):
         nn.init.zeros_(self.lora_B)
 
     def delta(self, x: torch.Tensor, scaling: float) -> torch.Tensor:
-        return (x @ self.lora_A.t()) @ self.lora_B.t() * scaling
+        # factors stacked on a client axis (a cohort: models/cohort.py): each client's rows by its own factors
+        return client_linear(client_linear(x, self.lora_A), self.lora_B) * scaling
 
 
 class LoRALinear(nn.Module):

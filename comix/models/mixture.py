@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .lora import LoRAConfig, LoRAWeights, linear_dims
+from .lora import LoRAConfig, LoRAWeights, client_linear, linear_dims
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,8 @@ class MixtureOfLoRA(nn.Module):
         if self.router is None:
             ones = x.new_ones(x.shape[0], 1)
             return Routing(torch.zeros(x.shape[0], 1, dtype=torch.long, device=x.device), ones, None)
-        logits = self.router(x)
+        w = self.router.weight  # (n, d), or (C, n, d): one router per client of a cohort (models/cohort.py)
+        logits = self.router(x) if w.dim() == 2 else client_linear(x, w)
         top_logits, top_index = logits.topk(self.top_k, dim=-1)
         return Routing(top_index, top_logits.softmax(-1), logits.softmax(-1))
 
@@ -193,12 +194,13 @@ class MixtureOfLoRAMLP(MixtureOfLoRA):
         return getattr(self.base, self.layout.act)(h)
 
     def _stacked(self, proj: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """All experts' factors of one projection: A (n*r, in), B (out, n*r)."""
+        """All experts' factors of one projection: A (n*r, in), B (out, n*r); with a leading
+        client axis in a cohort (models/cohort.py)."""
         if self.n_experts == 1:
             w = self.experts[0][proj]
             return w.lora_A, w.lora_B
-        return (torch.cat([e[proj].lora_A for e in self.experts], 0),
-                torch.cat([e[proj].lora_B for e in self.experts], 1))
+        return (torch.cat([e[proj].lora_A for e in self.experts], -2),
+                torch.cat([e[proj].lora_B for e in self.experts], -1))
 
     def _finish(self, y: torch.Tensor) -> torch.Tensor:
         drop = self.layout.out_dropout
@@ -229,14 +231,14 @@ class MixtureOfLoRAMLP(MixtureOfLoRA):
         for p in ((lay.gate,) if lay.gate else ()) + (lay.up,):
             a, b = self._stacked(p)
             frozen.append(self._proj(p)(x))                          # once per token, (N, d_ff)
-            delta.append(((xd @ a.t()).unsqueeze(1) * keep) @ b.t())  # all experts at once, (N, k, d_ff)
+            delta.append(client_linear(client_linear(xd, a).unsqueeze(1) * keep, b))  # all experts at once, (N, k, d_ff)
         if self.compiled and self._act_kind:
             h, hidden = _compiled_slot_hidden(frozen, delta, w, self._act_kind)
         else:  # h: (N, k, d_ff); hidden = sum_s p_s h_s, (N, d_ff)
             h, hidden = slot_hidden(frozen, delta, w, self._act)
         a_down, b_down = self._stacked(lay.down)
-        z = ((self.dropout(h) @ a_down.t()) * (w.unsqueeze(-1) * keep)).sum(1)  # (N, n*r)
-        return self._proj(lay.down)(hidden) + z @ b_down.t()
+        z = (client_linear(self.dropout(h), a_down) * (w.unsqueeze(-1) * keep)).sum(1)  # (N, n*r)
+        return self._proj(lay.down)(hidden) + client_linear(z, b_down)
 
     def _expert_mlp(self, x: torch.Tensor, j: int) -> torch.Tensor:
         """MLP_j(x): the frozen MLP with expert j's LoRA on every projection (no output dropout)."""
@@ -261,7 +263,7 @@ class MixtureOfLoRAMLP(MixtureOfLoRA):
         return out
 
 
-def load_balance_loss(routing: Routing, n_experts: int, weighting: str = "uniform") -> torch.Tensor:
+def load_balance_loss(routing: Routing, n_experts: int, weighting: str = "uniform", clients: int = 1) -> torch.Tensor:
     """Switch-style load balance from one block's routing (CoMiGS eq. 10-11).
 
     f_j: fraction of tokens with j among their top-k (not differentiable); P_j: mean router
@@ -269,18 +271,21 @@ def load_balance_loss(routing: Routing, n_experts: int, weighting: str = "unifor
     ``generalist``: eq. 10, which weights the generalist (expert 0) by 1/((n-1)^2+1) and each
     specialist by (n-1)/((n-1)^2+1) so that the generalist is pushed towards probability 1/2. We
     multiply eq. 10 by n^2 so that at n = 2 it *equals* the uniform loss, as the paper states
-    (eq. 10 as printed is the uniform loss / 4 there). ``none``: 0.
+    (eq. 10 as printed is the uniform loss / 4 there). ``none``: 0. With ``clients`` > 1 (a
+    cohort's client-major tokens, models/cohort.py) each client's f and P are over its own
+    tokens only, and the result is one loss per client, shape (clients,).
     """
+    shape = (clients,) if clients > 1 else ()
     if routing.probs is None or weighting == "none":
-        return routing.topk_weight.new_zeros(())
+        return routing.topk_weight.new_zeros(shape)
     n = n_experts
-    f = F.one_hot(routing.topk_index, n).sum(1).float().mean(0)  # (n,)
-    p = routing.probs.float().mean(0)
+    f = F.one_hot(routing.topk_index, n).sum(-2).float().reshape(clients, -1, n).mean(1)  # (clients, n)
+    p = routing.probs.float().reshape(clients, -1, n).mean(1)
     if weighting == "uniform":
-        return n * (f * p).sum()
+        return (n * (f * p).sum(-1)).reshape(shape)
     if weighting == "generalist":
         denom = (n - 1) ** 2 + 1
         w = torch.full((n,), (n - 1) / denom, device=p.device)
         w[0] = 1.0 / denom
-        return n * n * (w * f * p).sum()
+        return (n * n * (w * f * p).sum(-1)).reshape(shape)
     raise ValueError(f"load_balance must be one of none, uniform, generalist; got {weighting!r}")

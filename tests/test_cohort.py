@@ -1,0 +1,273 @@
+"""Cohorts (algorithms/cohort.py, models/cohort.py): C clients trained in lockstep over the one
+frozen base equal the same clients trained one after another: per-user metrics, uploads and final
+adapters, with gradient clipping, DP, mixed cohort sizes, and after a kill and resume. The unit
+tests each catch one classic bug of batching clients: a client's rows meeting another client's
+adapter, a moment or step count shared across clients, one clip or one load balance for all."""
+import json
+
+import pytest
+import torch
+
+from comix.algorithms import METHODS, make_algorithm
+from comix.algorithms.cohort import CohortAdamW, clip_per_client, cohort_lm_losses
+from comix.algorithms.training import TrainConfig, lm_loss, load_adapters, model_load_balance
+from comix.cli import main
+from comix.engines import run_method
+from comix.engines.device import fresh_adapters
+from comix.engines.inprocess import ClientModels
+from comix.engines.server import TIMINGS
+from comix.models import AdapterConfig, LoRAConfig, inject_adapters, load_base_model
+from comix.models.cohort import load_stacked, stack_clients, unstack
+from test_algorithms import setup  # noqa: F401 (the shared tiny fixture: 3 users a, b, c)
+
+
+def _train(**kw):
+    base = dict(rounds=2, local_steps=3, batch_size=2, seq_len=16, tau=2, router_steps=2, eval_every=1,
+                eval_batch_size=4, lr=1e-2, router_lr=1e-2)  # a large lr: a wrong step shows in the adapters
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _algo(name, cohort, options=None, **train):
+    return make_algorithm(name, LoRAConfig(r=4), _train(cohort=cohort, **train), 3, **(options or {}))
+
+
+def _run(setup, tmp_path, name, cohort, options=None, privacy=None, **train):
+    """One run of ``name``; returns (results, uploads per round {client: tensors}, final adapters)."""
+    model, users = setup
+    algo = _algo(name, cohort, options, **train)
+    if privacy:
+        for k, v in privacy.items():
+            setattr(algo.privacy, k, v)
+    uploads, real = [], algo.server_round
+    algo.server_round = lambda state, up: uploads.append({c: dict(t) for c, t in up.items()}) or real(state, up)
+    out = tmp_path / f"{name}-{cohort}"
+    result = run_method(algo, model, users, out, seed=5)
+    from safetensors.torch import load_file
+    finals = {u.name: load_file(out / "adapters" / f"{u.name}.safetensors") for u in users}
+    return result, uploads, finals, out
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, rel: float = 1e-5) -> bool:
+    """Equal to ``rel`` in relative norm: fp32 products summed in another order differ in the last
+    bits, and Adam's m / sqrt(v) enlarges that in entries whose gradient is near zero."""
+    return float(torch.linalg.vector_norm(a - b)) <= rel * max(float(torch.linalg.vector_norm(a)), 1e-12)
+
+
+def _assert_same(a, b):
+    (ra, ua, fa, _), (rb, ub, fb, _) = a, b
+    for user, metrics in ra["per_user"].items():
+        for k, v in metrics.items():
+            if isinstance(v, float):
+                assert rb["per_user"][user][k] == pytest.approx(v, rel=1e-4), (user, k)
+    assert len(ua) == len(ub)
+    for round_a, round_b in zip(ua, ub):
+        assert round_a.keys() == round_b.keys()
+        for c in round_a:
+            assert round_a[c].keys() == round_b[c].keys()
+            for n in round_a[c]:
+                assert _close(round_a[c][n], round_b[c][n]), (c, n)
+    for user in fa:
+        for n in fa[user]:
+            assert _close(fa[user][n], fb[user][n]), (user, n)
+
+
+COHORT_METHODS = ["local", "fedavg", "comigs-1g1s", "comigs-1g1s-tr", "pfedmoe", "ffa-lora", "fedsa-lora", "flexlora"]
+
+
+@pytest.mark.parametrize("method", COHORT_METHODS)
+def test_a_cohort_trains_each_client_as_it_would_train_alone(setup, tmp_path, method):
+    seq = _run(setup, tmp_path, method, 1)
+    together = _run(setup, tmp_path, method, 3)
+    _assert_same(seq, together)
+    rows = [json.loads(ln) for ln in (together[3] / "metrics.jsonl").read_text().splitlines()]
+    assert {r.get("cohort") for r in rows if "train_loss" in r} == {3}  # it did run as one cohort
+
+
+def test_cohorts_of_unequal_sizes_and_mixtures_of_other_sizes_with_clipping(setup, tmp_path):
+    """comigs-1gxs with experts [4, 4, 2]: a, b share an architecture (a cohort of 2, whose n = 4
+    load balance and router steps are per client), c trains alone; each client's gradient clipped
+    to its own norm; fresh moments every round."""
+    opts = dict(experts=[4, 4, 2])
+    # (at lr 2e-3: a fresh Adam's first step is about lr x sign(g), so at 1e-2 the last-bit
+    # differences of the products flip a few near-zero entries by 2 lr, 5e-5 of the upload)
+    kw = dict(grad_clip=0.05, optimizer_state="round", lr=2e-3, router_lr=2e-3)
+    seq = _run(setup, tmp_path, "comigs-1gxs", 1, opts, **kw)
+    together = _run(setup, tmp_path, "comigs-1gxs", 4, opts, **kw)
+    _assert_same(seq, together)
+    rows = [json.loads(ln) for ln in (together[3] / "metrics.jsonl").read_text().splitlines()]
+    assert sorted({r["user"]: r.get("cohort") for r in rows if "train_loss" in r}.items()) == \
+        [("a", 2), ("b", 2), ("c", None)]
+
+
+def test_a_cohort_under_dp_clips_and_noises_as_one_client_at_a_time(setup, tmp_path):
+    dp = dict(clip=0.05, noise_multiplier=0.5)
+    seq = _run(setup, tmp_path, "fedavg", 1, privacy=dp)
+    together = _run(setup, tmp_path, "fedavg", 2, privacy=dp)
+    _assert_same(seq, together)
+    for round_uploads in together[1]:  # the clip bounds every client's update
+        assert round_uploads
+
+
+def test_a_cohort_killed_and_resumed_equals_an_uninterrupted_run(setup, tmp_path):
+    model, users = setup
+    full = run_method(_algo("comigs-1g1s", 3, rounds=3), model, users, tmp_path / "full", seed=7)
+
+    class Killed(Exception):
+        pass
+
+    def kill_after_two(p):
+        if p["round"] == 2:
+            raise Killed
+
+    with pytest.raises(Killed):
+        run_method(_algo("comigs-1g1s", 3, rounds=3), model, users, tmp_path / "killed", seed=7,
+                   progress=kill_after_two)
+    resumed = run_method(_algo("comigs-1g1s", 3, rounds=3), model, users, tmp_path / "killed", seed=7, resume=True)
+    assert resumed["per_user"] == full["per_user"]
+
+    def rows(d):
+        return [{k: v for k, v in json.loads(ln).items() if k not in TIMINGS}
+                for ln in (d / "metrics.jsonl").read_text().splitlines()]
+    assert rows(tmp_path / "killed") == rows(tmp_path / "full")
+
+
+# -- the unit bugs ---------------------------------------------------------------------------------
+def _stacked_pair(setup, cfg, seeds=(1, 2)):
+    """A cohort model of two clients with different (non-zero) adapters, and those adapters."""
+    model, users = setup
+    algo = make_algorithm("local", LoRAConfig(r=4), _train(), 3)
+    single = ClientModels(model, algo).for_client(0)
+    single = inject_adapters(load_base_model("tiny-llama")[0], cfg) if cfg is not None else single
+    adapters = []
+    for s in seeds:
+        a = fresh_adapters(single, s)
+        g = torch.Generator().manual_seed(s)
+        adapters.append({n: t + 0.05 * torch.randn(t.shape, generator=g) for n, t in a.items()})
+    stacked = stack_clients(single, len(seeds))
+    load_stacked(stacked, adapters)
+    return single, stacked, adapters
+
+
+def test_a_clients_rows_meet_only_its_own_adapters(setup):
+    single, stacked, adapters = _stacked_pair(setup, None)
+    x = torch.randint(0, 200, (4, 12))
+    y = torch.randint(0, 200, (4, 12))
+    own = []
+    for c in range(2):
+        load_adapters(single, adapters[c])
+        own.append(lm_loss(single, x[2 * c:2 * c + 2], y[2 * c:2 * c + 2]))
+    losses = cohort_lm_losses(stacked, x, y)
+    assert torch.allclose(losses, torch.stack(own).detach(), rtol=1e-5)
+    # client 0's loss has no gradient in client 1's slots, and client 1's NaNs never reach client 0
+    params = [p for p in stacked.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(cohort_lm_losses(stacked, x, y)[0], params)
+    assert all(float(g[1].abs().max()) == 0.0 for g in grads) and any(float(g[0].abs().max()) > 0 for g in grads)
+    with torch.no_grad():
+        for p in params:
+            p[1].fill_(float("nan"))
+    assert torch.isfinite(cohort_lm_losses(stacked, x, y)[0])
+
+
+def test_a_mixture_cohort_routes_and_balances_each_client_on_its_own_tokens(setup):
+    """n = 4, top-2: the load balance has a gradient; each client's f and P are over its tokens."""
+    cfg = AdapterConfig(lora=LoRAConfig(r=4), mlp="mixture", n_experts=4, top_k=2)
+    single, stacked, adapters = _stacked_pair(setup, cfg)
+    x = torch.randint(0, 200, (4, 12))
+    own = []
+    for c in range(2):
+        load_adapters(single, adapters[c])
+        single(input_ids=x[2 * c:2 * c + 2])
+        own.append(model_load_balance(single, "uniform"))
+    stacked(input_ids=x)
+    per_client = model_load_balance(stacked, "uniform")
+    assert per_client.shape == (2,) and not torch.allclose(own[0], own[1])
+    assert torch.allclose(per_client, torch.stack(own).detach(), rtol=1e-5)
+
+
+def test_unstack_returns_each_clients_own_adapters(setup):
+    _, stacked, adapters = _stacked_pair(setup, None)
+    back = unstack(stacked, list(adapters[0]))
+    for c in range(2):
+        assert all(torch.equal(back[c][n], adapters[c][n]) for n in adapters[c])
+
+
+def test_cohort_adamw_is_each_clients_own_adamw():
+    """Two clients with their own saved moments, step counts and learning rates: slot c moves as
+    torch's AdamW of client c alone (a shared moment or step count fails this)."""
+    train = _train(weight_decay=0.1, betas=[0.9, 0.95])
+    torch.manual_seed(0)
+    shapes = [(3, 4), (5,)]
+    own = [[torch.nn.Parameter(torch.randn(s)) for s in shapes] for _ in range(2)]
+    opts = [torch.optim.AdamW(ps, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1) for ps in own]
+    for c, (ps, opt) in enumerate(zip(own, opts)):  # client 1 has taken 3 more steps than client 0
+        for _ in range(1 + 3 * c):
+            for p in ps:
+                p.grad = torch.randn(p.shape)
+            opt.step()
+    stacked = [torch.stack([own[0][i].detach(), own[1][i].detach()]) for i in range(2)]
+    cohort = CohortAdamW(stacked, train)
+    for c in range(2):
+        cohort.load(c, opts[c].state_dict())
+    for step in range(3):
+        lrs = [1e-2 * (step + 1), 3e-3]
+        grads = [torch.randn(p.shape) for p in stacked]
+        for c in range(2):
+            for p, g in zip(own[c], grads):
+                p.grad = g[c].clone()
+            opts[c].param_groups[0]["lr"] = lrs[c]
+            opts[c].step()
+        cohort.step(grads, lrs)
+        for c in range(2):
+            for i in range(2):
+                assert torch.allclose(stacked[i][c], own[c][i].detach(), rtol=1e-6, atol=1e-7), (step, c, i)
+    for c in range(2):  # its saved form is torch's: a torch AdamW loads it and holds the same moments
+        fresh = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in own[c]], lr=1.0)
+        fresh.load_state_dict(cohort.state_dict(c))
+        ref = opts[c].state_dict()["state"]
+        for i in range(2):
+            assert torch.allclose(fresh.state_dict()["state"][i]["exp_avg_sq"], ref[i]["exp_avg_sq"], rtol=1e-6)
+            assert float(fresh.state_dict()["state"][i]["step"]) == float(ref[i]["step"])
+
+
+def test_each_client_is_clipped_to_its_own_norm():
+    torch.manual_seed(0)
+    grads = [torch.randn(2, 3, 4), torch.randn(2, 5)]
+    grads[0][1] *= 100  # client 1's gradient is large, client 0's small (norm < 1: left alone)
+    for g in grads:
+        g[0] *= 0.1
+    expected = []
+    for c in range(2):
+        own = [torch.nn.Parameter(torch.zeros(g.shape[1:])) for g in grads]
+        for p, g in zip(own, grads):
+            p.grad = g[c].clone()
+        torch.nn.utils.clip_grad_norm_(own, 1.0)
+        expected.append([p.grad for p in own])
+    clip_per_client(grads, 1.0)
+    for c in range(2):
+        for g, e in zip(grads, expected[c]):
+            assert torch.allclose(g[c], e, rtol=1e-6)
+    small = torch.cat([g[0].flatten() for g in grads])
+    assert torch.linalg.vector_norm(small) < 0.9 and torch.equal(small, torch.cat([e.flatten() for e in expected[0]]))
+
+
+def test_which_methods_run_in_cohorts_is_stated_and_the_rest_say_why():
+    runs = {m for m in ("local", "fedavg", "comigs-1g1s", "pfedmoe", "ffa-lora", "fedsa-lora")}
+    for m in METHODS:
+        try:
+            algo = make_algorithm(m, LoRAConfig(r=4), _train(rounds=1), 3)
+        except ValueError:  # a method whose defaults need another setting (FedAMoLE's pool size, ...)
+            continue
+        reason = algo.cohort_refusal()
+        assert (reason is None) == (m in runs or m in COHORT_METHODS or m.startswith(("comigs", "local-moe",
+                                                                                        "fedavg-moe"))), m
+    assert "dropout" in make_algorithm("fedit", LoRAConfig(), _train(), 3).cohort_refusal()
+    assert "client_round" in make_algorithm("pcl", LoRAConfig(), _train(), 3).cohort_refusal()
+
+
+def test_a_bad_cohort_size_is_one_line_naming_the_key(tmp_path, capsys):
+    assert main(["run", "model=tiny-llama", "train.cohort=0", f"run_dir={tmp_path / 'r'}"]) != 0
+    err = capsys.readouterr()
+    assert "train.cohort" in err.err + err.out and not (tmp_path / "r").exists()
+    assert main(["run", "model=tiny-llama", "train.cohort=4", "engine=flower-sim", f"run_dir={tmp_path / 'r'}"]) != 0
+    assert "engine=inprocess" in "".join(capsys.readouterr())
