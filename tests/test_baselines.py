@@ -4,6 +4,7 @@ import json
 import pytest
 import torch
 
+from comix.engines.device import unpack
 from comix.algorithms import ClientState, make_algorithm
 from comix.algorithms import base as base_module
 from comix.algorithms.training import load_adapters, lm_loss
@@ -78,7 +79,7 @@ def test_flexlora_redistribution_is_exact_when_the_rank_allows():
 def _final_states(tmp_path, method, users, model):
     algo = make_algorithm(method, LoRAConfig(r=4), _train(), 3)
     run_method(algo, model, users, tmp_path / method, seed=5, keep_checkpoints=True)
-    return torch.load(tmp_path / method / "checkpoint.pt", weights_only=False)["clients"]["states"]
+    return {c: unpack(s) for c, s in torch.load(tmp_path / method / "checkpoint.pt", weights_only=False)["clients"]["states"].items()}
 
 
 def test_ffa_lora_keeps_a_frozen_and_identical_across_users(setup, tmp_path):

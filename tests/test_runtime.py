@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from comix.engines.device import unpack
 from comix.algorithms import make_algorithm
 from comix.config import ConfigError, load_config
 from comix.engines import run_method
@@ -73,6 +74,7 @@ def test_bf16_on_the_cpu_is_close_to_fp32_with_fp32_masters(setup, tmp_path, met
         assert bf16["per_user"][u]["test_ppl"] == pytest.approx(fp32["per_user"][u]["test_ppl"], rel=0.02)
     assert all(p.dtype == torch.bfloat16 for p in bf16_model.parameters())  # the frozen base, stored in bf16
     states = torch.load(tmp_path / f"{method}-bf16" / "checkpoint.pt", weights_only=False)["clients"]["states"]
+    states = {c: unpack(s) for c, s in states.items()}  # saved packed (engines/device.py)
     for state in states.values():
         assert all(t.dtype == torch.float32 and t.device.type == "cpu" for t in state.adapters.values())
         moments = [v for opt in state.optimizers.values() for s in opt["state"].values() for v in s.values()]
@@ -132,6 +134,7 @@ def test_cuda_run_matches_the_cpu_and_keeps_states_on_the_cpu(setup, tmp_path, p
     for u in cpu["per_user"]:
         assert gpu["per_user"][u]["test_ppl"] == pytest.approx(cpu["per_user"][u]["test_ppl"], rel=0.03)
     states = torch.load(tmp_path / "gpu" / f"comigs-1g1s-{precision}" / "checkpoint.pt", weights_only=False)["clients"]["states"]
+    states = {c: unpack(s) for c, s in states.items()}  # each tensor back on the device it was saved from
     assert all(t.device.type == "cpu" for s in states.values() for t in s.adapters.values())
 
 

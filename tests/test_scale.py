@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from comix.engines.device import unpack
 from comix.algorithms import TrainConfig, make_algorithm
 from comix.data import SplitConfig, make_user_data
 from comix.data.partition import dirichlet_mixtures
@@ -49,7 +50,7 @@ def test_unsampled_clients_keep_their_state_and_metrics_say_who_took_part(many, 
         expected = sample_clients(len(users), algo.train, 3, rnd)
         assert took_part == [users[c].name for c in expected] and seen[rnd - 1] == expected  # only they aggregate
         assert all(r["bytes_up"] == 0 and "train_loss" not in r for r in rows if r["round"] == rnd and not r["sampled"])
-    states = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["clients"]["states"]
+    states = {c: unpack(s) for c, s in torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["clients"]["states"].items()}
     trained = {c for rnd in (1, 2, 3) for c in sample_clients(len(users), algo.train, 3, rnd)}
     assert all(states[c].step == 0 for c in range(len(users)) if c not in trained)   # untouched
     assert all(states[c].step >= 1 for c in trained)
@@ -83,3 +84,27 @@ def test_dirichlet_clients_have_their_budget_and_skewed_mixtures(many):
     assert (mix - 0.25).abs().max() < 0.15          # large alpha: near uniform
     with pytest.raises(ValueError, match="data.clients"):
         SplitConfig(clients=4, mode="ood")
+
+
+def test_a_packed_state_comes_back_equal_tensor_for_tensor_and_an_unpacked_one_passes_through():
+    """Client states are saved as one flat buffer (engines/device.py ``pack``): every tensor of
+    every dtype and shape, AdamW's state_dict nest included, comes back equal and its own copy."""
+    from comix.algorithms import ClientState
+    from comix.engines.device import pack
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.randn(3, 2))])
+    opt.param_groups[0]["params"][0].grad = torch.randn(3, 2)
+    opt.step()
+    state = ClientState(adapters={"a": torch.randn(4, 5), "b": torch.zeros(0), "c": torch.randn(2).to(torch.bfloat16)},
+                        optimizers={"experts": opt.state_dict()}, rng=torch.Generator().manual_seed(3).get_state(),
+                        step=7, extra={"ranks": [1, 2], "t": (torch.tensor(5), "x")})
+    back = unpack(pack(state))
+    assert back.step == 7 and back.extra["ranks"] == [1, 2] and back.extra["t"][1] == "x"
+    assert torch.equal(back.extra["t"][0], torch.tensor(5)) and torch.equal(back.rng, state.rng)
+    for n, t in state.adapters.items():
+        assert back.adapters[n].dtype == t.dtype and torch.equal(back.adapters[n], t)
+    saved, got = state.optimizers["experts"]["state"][0], back.optimizers["experts"]["state"][0]
+    assert all(torch.equal(saved[k], got[k]) for k in saved)
+    assert back.optimizers["experts"]["param_groups"] == state.optimizers["experts"]["param_groups"]
+    back.adapters["a"].add_(1)  # its own copy: the packed buffer and the original are untouched
+    assert not torch.equal(back.adapters["a"], state.adapters["a"])
+    assert unpack(state) is state  # a state saved before packing loads as it was

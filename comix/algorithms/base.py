@@ -199,7 +199,8 @@ class Algorithm:
         if self.device_spec(0) is not None:
             return "each device trains its own model, not adapters over the one shared base"
         own = [name for name in ("client_round", "local_training", "regularizer", "after_expert_step", "load_state",
-                                 "save_state") if getattr(type(self), name) is not getattr(Algorithm, name)]
+                                 "save_state", "personal_adapters", "scoring")
+               if getattr(type(self), name) is not getattr(Algorithm, name)]
         if own:
             return f"it writes its own {', '.join(own)}: that client step runs as written, one client at a time"
         for c in range(self.n_clients):

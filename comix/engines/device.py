@@ -11,6 +11,7 @@ Private state (adapters incl. specialists and routers, optimizer moments, RNG) l
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..algorithms import Algorithm, ClientContext, ClientState
@@ -85,6 +87,56 @@ def fresh_adapters(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
     return adapter_tensors(model)
 
 
+class _Slot(int):
+    """Where a packed tensor sits in ``pack``'s list."""
+
+
+def pack(obj):
+    """``obj`` (a ``ClientState`` or any nest of dataclasses, dicts, lists and tuples) with all its
+    tensors moved into one flat byte buffer: torch.save writes each tensor as its own record (a
+    client's state is ~150 small tensors with its AdamW moments, ~5 ms a save or load, which made a
+    1,000-client run spend its time pickling), and one buffer is one record. ``unpack`` inverts it."""
+    tensors = []
+
+    def walk(o):
+        if isinstance(o, torch.Tensor):
+            tensors.append(o.detach())
+            return _Slot(len(tensors) - 1)
+        if dataclasses.is_dataclass(o) and not isinstance(o, type):
+            return dataclasses.replace(o, **{f.name: walk(getattr(o, f.name)) for f in dataclasses.fields(o)})
+        if isinstance(o, dict):
+            return {k: walk(v) for k, v in o.items()}
+        if isinstance(o, (list, tuple)):
+            return type(o)(walk(v) for v in o)
+        return o
+    tree = walk(obj)
+    flat = [t.to("cpu").contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    meta = [(t.dtype, tuple(t.shape), str(t.device)) for t in tensors]  # each comes back where it was
+    return {"comix_packed": 1, "tree": tree, "meta": meta, "sizes": [f.numel() for f in flat],
+            "bytes": torch.cat(flat) if flat else torch.zeros(0, dtype=torch.uint8)}
+
+
+def unpack(packed):
+    """The object ``pack`` packed, each tensor its own copy; anything else is returned as it is
+    (a state saved before states were packed)."""
+    if not (isinstance(packed, dict) and packed.get("comix_packed")):
+        return packed
+    parts = packed["bytes"].split(packed["sizes"]) if packed["sizes"] else []
+    tensors = [p.view(dtype).reshape(shape).to(device, copy=True) for p, (dtype, shape, device) in zip(parts, packed["meta"])]
+
+    def walk(o):
+        if isinstance(o, _Slot):
+            return tensors[o]
+        if dataclasses.is_dataclass(o) and not isinstance(o, type):
+            return dataclasses.replace(o, **{f.name: walk(getattr(o, f.name)) for f in dataclasses.fields(o)})
+        if isinstance(o, dict):
+            return {k: walk(v) for k, v in o.items()}
+        if isinstance(o, (list, tuple)):
+            return type(o)(walk(v) for v in o)
+        return o
+    return walk(packed["tree"])
+
+
 class StateStore:
     """Client states in memory, or on disk (one file per client) when ``directory`` is set."""
 
@@ -101,12 +153,12 @@ class StateStore:
         if self.dir is None:
             self.mem[c] = state
         else:
-            atomic_write(self._path(c), lambda p: torch.save(state, p))
+            atomic_write(self._path(c), lambda p: torch.save(pack(state), p))
 
     def __getitem__(self, c: int) -> ClientState:
         if self.dir is None:
             return self.mem[c]
-        return torch.load(self._path(c), weights_only=False)
+        return unpack(torch.load(self._path(c), weights_only=False))
 
 
 class RoundStore(StateStore):
@@ -145,10 +197,10 @@ class RoundStore(StateStore):
         return self._latest(c) is not None
 
     def __getitem__(self, c: int) -> ClientState:
-        return torch.load(self._latest(c), weights_only=False)
+        return unpack(torch.load(self._latest(c), weights_only=False))
 
     def __setitem__(self, c: int, state: ClientState):
-        atomic_write(self._file(c, self.write), lambda p: torch.save(state, p))
+        atomic_write(self._file(c, self.write), lambda p: torch.save(pack(state), p))
         rounds = self._index().setdefault(c, set())
         rounds.add(self.write)
         for r in [r for r in rounds if r < self.write - 1]:
@@ -194,6 +246,70 @@ def evaluate(model: nn.Module, user: UserData, train, runtime: Runtime = Runtime
             model(input_ids=batch.to(runtime.device))
         out["gates"] = [[round(v, 4) for v in s["mean_gate"].tolist()] for s in routing_stats(model)]
         set_record_stats(model, False)
+    return out
+
+
+@torch.inference_mode()
+def cohort_split_nll(model: nn.Module, splits: list[torch.Tensor], seq_len: int, batch_size: int) -> list[tuple[float, int]]:
+    """``split_nll`` of each client of a cohort model (models/cohort.py) on its own split, in
+    forwards of ``batch_size`` windows a client: the same windows as one client at a time, a
+    shorter last window padded at its end (causal attention: the padding changes no earlier
+    position) and a client with fewer windows given rows without targets."""
+    device = next(model.parameters()).device
+    windows = []
+    for tokens in splits:
+        n_pred = len(tokens) - 1
+        rows = []
+        for s in range(0, n_pred, seq_len):
+            L = min(seq_len, n_pred - s)
+            x = torch.zeros(seq_len, dtype=torch.long)
+            y = torch.full((seq_len,), -100, dtype=torch.long)
+            x[:L], y[:L] = tokens[s:s + L], tokens[s + 1:s + 1 + L]
+            rows.append((x, y))
+        windows.append(rows)
+    most = max(len(w) for w in windows)
+    totals = [0.0] * len(splits)
+    empty = (torch.zeros(seq_len, dtype=torch.long), torch.full((seq_len,), -100, dtype=torch.long))
+    for b in range(0, most, batch_size):
+        xs, ys = zip(*(w[i] if i < len(w) else empty for w in windows for i in range(b, min(b + batch_size, most))))
+        x, y = torch.stack(xs).to(device), torch.stack(ys).to(device)
+        logits = model(input_ids=x).logits[:, -x.shape[1]:]
+        nll = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
+        for c, v in enumerate(nll.reshape(len(splits), -1).sum(1).tolist()):
+            totals[c] += v
+    return [(t, len(tokens) - 1) for t, tokens in zip(totals, splits)]
+
+
+def evaluate_cohort(model: nn.Module, users: list[UserData], train, runtime: Runtime = Runtime()) -> list[dict] | None:
+    """``evaluate`` of each client of a cohort model at once (LM data: each split's perplexity, and
+    a mixture's mean gate per layer and expert on its own validation batch), or None when this
+    data is not for it (instruction tasks): then the clients are evaluated one at a time."""
+    if any(u.task != "lm" for u in users):
+        return None
+    seq_len = train.seq_len
+    rows = [max(1, min(4, (len(u.valid) - 1) // seq_len)) for u in users]
+    out = [{} for _ in users]
+    was_training = model.training
+    model.eval()
+    try:
+        with runtime.autocast():
+            for s in train.eval_splits:
+                for o, (total, n) in zip(out, cohort_split_nll(model, [u.tokens(s) for u in users], seq_len,
+                                                              train.eval_batch_size)):
+                    o[f"{s}_ppl"] = math.exp(total / n)
+        if mixtures(model):  # each client's rows padded to the most any has; its gates over its own rows
+            most = max(rows)
+            batch = torch.zeros(len(users), most, seq_len, dtype=torch.long)
+            for c, (u, r) in enumerate(zip(users, rows)):
+                batch[c, :r] = u.valid[:r * seq_len].long().reshape(r, seq_len)
+            with torch.inference_mode(), runtime.autocast():
+                model(input_ids=batch.reshape(-1, seq_len).to(runtime.device))
+                gates = [m.last_routing.dense_gates(m.n_experts).float().reshape(len(users), most * seq_len, -1)
+                         for m in mixtures(model)]
+            for c, (o, r) in enumerate(zip(out, rows)):
+                o["gates"] = [[round(v, 4) for v in g[c, :r * seq_len].mean(0).tolist()] for g in gates]
+    finally:
+        model.train(was_training)
     return out
 
 

@@ -25,13 +25,13 @@ from ..algorithms.base import ServerContext, Tensors
 from ..algorithms.cohort import CohortMember, cohort_round
 from ..data import UserData
 from ..models import inject_adapters
-from ..models.cohort import stack_clients
+from ..models.cohort import load_stacked, stack_clients
 from ..models.mixture import set_compiled
 from ..models.quant import base_bytes, quant_of_base, quantize_base, shared_objects
 from ..runtime import Runtime
 from ..progress import step as phase_step
 from ..files import atomic_write
-from .device import Device, Footprint, RoundStore, StateStore, evaluate
+from .device import Device, Footprint, RoundStore, StateStore, evaluate, evaluate_cohort, pack, unpack
 from .server import finish_run, serve
 
 log = logging.getLogger("comix")
@@ -147,14 +147,18 @@ class InProcess:
         out = [g[i:i + self.cohort] for g in groups.values() for i in range(0, len(g), self.cohort)]
         return [g if len(g) > 1 else [(g[0][0], None)] for g in out]
 
-    def _train_cohort(self, group: list[tuple[int, ClientState]], payloads) -> dict:
-        clients = [c for c, _ in group]
-        key = (id(self.devices[clients[0]].model), len(group))
+    def _stacked_for(self, client: int, size: int) -> nn.Module:
+        """The model of ``client``'s architecture stacked for ``size`` clients (kept for reuse)."""
+        key = (id(self.devices[client].model), size)
         if key not in self.stacked:
             if len(self.stacked) >= 4:  # bounded: drop the oldest (sampled rounds vary the last cohort's size)
                 self.stacked.pop(next(iter(self.stacked)))
-            self.stacked[key] = stack_clients(self.devices[clients[0]].model, len(group))
-        model, a, rt = self.stacked[key], self.algorithm, self.runtime
+            self.stacked[key] = stack_clients(self.devices[client].model, size)
+        return self.stacked[key]
+
+    def _train_cohort(self, group: list[tuple[int, ClientState]], payloads) -> dict:
+        clients = [c for c, _ in group]
+        model, a, rt = self._stacked_for(clients[0], len(group)), self.algorithm, self.runtime
         members = [CohortMember(c, self.devices[c].data, state, payloads[c]) for c, state in group]
         contexts = [ClientContext(c, model, self.devices[c].data, a.train, rt) for c in clients]
         if rt.device.type == "cuda":
@@ -198,20 +202,51 @@ class InProcess:
 
     def evaluate(self, payloads) -> dict[str, dict]:
         self._rounds(self.round, self.round)
+        if self.cohort > 1:
+            return self._evaluate_cohorts(payloads)
         return {u.name: self.devices[0 if self.pooled else i].evaluate(payloads[0 if self.pooled else i], u)
                 for i, u in enumerate(self.users)}
+
+    def _evaluate_cohorts(self, payloads) -> dict[str, dict]:
+        """Each client's personal model scored as ``Device.evaluate`` scores it, a cohort of them
+        in each forward (``evaluate_cohort``); a group whose data a cohort cannot score (instruction
+        tasks) is scored one client at a time."""
+        results = {}
+        groups: dict = {}
+        for c in range(len(self.users)):
+            groups.setdefault(id(self.devices[c].model), []).append(c)
+        a, rt = self.algorithm, self.runtime
+        for clients in groups.values():
+            for i in range(0, len(clients), self.cohort):
+                part = clients[i:i + self.cohort]
+                t0 = time.perf_counter()
+                scored = None
+                if len(part) > 1:
+                    model = self._stacked_for(part[0], len(part))
+                    with rt.autocast():
+                        adapters = [a.personal_adapters(self.devices[c].context(), self.store[c], payloads[c]) for c in part]
+                    load_stacked(model, adapters)
+                    scored = evaluate_cohort(model, [self.users[c] for c in part], a.train, rt)
+                if scored is None:
+                    for c in part:
+                        results[self.users[c].name] = self.devices[c].evaluate(payloads[c], self.users[c])
+                    continue
+                seconds = (time.perf_counter() - t0) / len(part)  # the cohort's wall time, shared
+                for c, metrics in zip(part, scored):
+                    results[self.users[c].name] = {**metrics, "eval_s": round(seconds, 4)}
+        return {u.name: results[u.name] for u in self.users}
 
     def snapshot(self):
         """What resume needs of the clients: in memory, their states; offloaded, the round (each
         client's files are kept per round, so the states after it are still on disk)."""
         if isinstance(self.store, RoundStore):
             return {"round": self.round}
-        return {"round": self.round, "states": {d.client: self.store[d.client] for d in self.devices}}
+        return {"round": self.round, "states": {d.client: pack(self.store[d.client]) for d in self.devices}}
 
     def restore(self, snapshot) -> None:
         self.round = snapshot["round"]
         for c, state in (snapshot.get("states") or {}).items():
-            self.store[c] = state
+            self.store[c] = unpack(state)
 
 
 def save_adapters(store: StateStore, clients: dict[int, str], directory: Path) -> None:

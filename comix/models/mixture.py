@@ -105,8 +105,11 @@ class MixtureOfLoRA(nn.Module):
         self.last_routing = routing
         if self.record_stats:
             with torch.no_grad():
-                self.stats = {"mean_gate": routing.dense_gates(self.n_experts).float().mean(0),
-                              "top1": routing.topk_index[:, 0].reshape(shape[:-1]).clone()}
+                gates = routing.dense_gates(self.n_experts).float()
+                clients = self.router.weight.shape[0] if self.router is not None and self.router.weight.dim() == 3 else 1
+                # a cohort (models/cohort.py): one mean gate per client, over its own tokens
+                mean = gates.reshape(clients, -1, self.n_experts).mean(1) if clients > 1 else gates.mean(0)
+                self.stats = {"mean_gate": mean, "top1": routing.topk_index[:, 0].reshape(shape[:-1]).clone()}
         return self._experts_forward(x, routing).reshape(*shape[:-1], -1)
 
     def _experts_forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
