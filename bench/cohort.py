@@ -176,7 +176,7 @@ def main(argv=None) -> int:
             r["step_over_lora"] = round(statistics.median(m / b for m, b in zip(times[k], times[f"LoRA, cohort {r['cohort']}"])), 3)
         print(f"{k:24s} {s * 1e3:9.1f} ms  {r['tokens_per_s']:10.1f} tok/s  MFU {r['mfu_gemm']:.1%} of the GEMM rate"
               + (f", {r['mfu_nominal']:.1%} of nominal" if nominal else ""), flush=True)
-    out = {"command": "python bench/cohort.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    out = {"command": " ".join(["python bench/cohort.py", *(argv if argv is not None else sys.argv[1:])]),
            "machine": f"{name}, {torch.get_num_threads()} threads" if runtime.device.type == "cpu" else name,
            "date": date.today().isoformat(), "torch": torch.__version__, "model": args.model,
            "device": runtime.device.type, "precision": args.precision, "rows": args.rows, "seq": args.seq,
