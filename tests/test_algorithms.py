@@ -301,7 +301,8 @@ def test_round_one_starts_every_client_from_one_common_start(setup):
     differ (1GXS: users with 2 and 4 experts draw their initialisations differently)."""
     model, users = setup
     algo = _algo("comigs-1gxs", experts=[2, 4, 4])
-    from comix.engines.device import Device, StateStore
+    from comix.engines.device import Device
+    from comix.engines.states import StateStore
     models, store = ClientModels(model, algo), StateStore()
     initial = {c: Device(algo, models.for_client(c), users[c], c, 0, store).init() for c in range(3)}
     assert any(not torch.equal(initial[0][n], initial[1][n]) for n in initial[0])  # the trap is armed

@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from comix.engines.device import unpack
+from comix.engines.states import unpack
 from comix.algorithms import ClientState, make_algorithm
 from comix.algorithms import base as base_module
 from comix.algorithms.training import load_adapters, lm_loss

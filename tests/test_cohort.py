@@ -280,7 +280,7 @@ def test_a_bad_cohort_size_is_one_line_naming_the_key(tmp_path, capsys):
 def test_a_cohort_scores_each_client_on_its_own_split_of_any_length(setup):
     """Splits of unequal lengths (a shorter last window, fewer windows): each client's NLL is the
     one its own model gives over its own split, one at a time."""
-    from comix.engines.device import cohort_split_nll
+    from comix.eval.perplexity import cohort_split_nll
     from comix.eval.perplexity import split_nll
     single, stacked, adapters = _stacked_pair(setup, None)
     g = torch.Generator().manual_seed(0)

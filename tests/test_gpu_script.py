@@ -33,7 +33,7 @@ def test_the_gpu_script_runs_every_step_and_packs_its_results(tmp_path):
 
 def test_a_paper_run_cut_short_by_the_budget_continues_from_the_parts_it_packed(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path / "out"), "GPU_WORK": str(tmp_path / "work"), "DRY_ROUNDS": "5000",
-           "PAPER_LIMIT": "10", "GPU_ONLY": "paper-table1", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+           "PAPER_LIMIT": "15", "GPU_ONLY": "paper-table1", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     gpu = ROOT / ".gpu"
     assert not list(gpu.glob("paper-resume*")), "a rehearsal must not meet real resume parts in .gpu/"
     run = lambda: subprocess.run(["bash", str(ROOT / "bench" / "gpu.sh"), "--dry-run"], cwd=ROOT, env=env,  # noqa: E731
@@ -49,6 +49,7 @@ def test_a_paper_run_cut_short_by_the_budget_continues_from_the_parts_it_packed(
             (gpu / p.name).write_bytes(p.read_bytes())
         import shutil
         shutil.rmtree(tmp_path / "work")
+        env["PAPER_LIMIT"] = "40"  # time to start, read the parts back and train some more rounds
         assert run().returncode == 0
     finally:
         for p in gpu.glob("paper-resume*"):

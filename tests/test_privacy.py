@@ -8,7 +8,7 @@ import torch
 
 from comix.algorithms import TrainConfig, average, make_algorithm
 from comix.config import ConfigError, load_config
-from comix.engines.device import StateStore
+from comix.engines.states import StateStore
 from comix.engines.inprocess import InProcess
 from comix.engines.server import sample_clients, serve
 from comix.models import LoRAConfig

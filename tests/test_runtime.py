@@ -6,11 +6,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from comix.engines.device import unpack
+from comix.engines.states import unpack
 from comix.algorithms import make_algorithm
 from comix.config import ConfigError, load_config
 from comix.engines import run_method
-from comix.engines.device import Device, StateStore
+from comix.engines.device import Device
+from comix.engines.states import StateStore
 from comix.engines.inprocess import ClientModels
 from comix.models import LoRAConfig, load_base_model, param_role
 from comix.runtime import Runtime, resolve, to_cpu

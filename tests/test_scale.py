@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from comix.engines.device import unpack
+from comix.engines.states import unpack
 from comix.algorithms import TrainConfig, make_algorithm
 from comix.data import SplitConfig, make_user_data
 from comix.data.partition import dirichlet_mixtures
@@ -90,7 +90,7 @@ def test_a_packed_state_comes_back_equal_tensor_for_tensor_and_an_unpacked_one_p
     """Client states are saved as one flat buffer (engines/device.py ``pack``): every tensor of
     every dtype and shape, AdamW's state_dict nest included, comes back equal and its own copy."""
     from comix.algorithms import ClientState
-    from comix.engines.device import pack
+    from comix.engines.states import pack
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.randn(3, 2))])
     opt.param_groups[0]["params"][0].grad = torch.randn(3, 2)
     opt.step()

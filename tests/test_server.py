@@ -6,7 +6,7 @@ import torch
 
 from comix.algorithms import TrainConfig, make_algorithm
 from comix.data import SplitConfig, make_user_data
-from comix.engines.device import StateStore
+from comix.engines.states import StateStore
 from comix.engines.inprocess import InProcess
 from comix.engines.server import serve
 from comix.models import LoRAConfig, load_base_model

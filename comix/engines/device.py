@@ -7,19 +7,16 @@ Flower messages). A ``Device`` answers three requests:
     ``finish`` the algorithm's final step on the last payload (``client_finish``);
   * ``evaluate(payload)``: the task metrics of the model this client holds after the round.
 Private state (adapters incl. specialists and routers, optimizer moments, RNG) lives in a
-``StateStore``: memory, or files keyed by the client id so that a restarted device continues.
+``StateStore`` (engines/states.py): memory, or files keyed by the client id so that a restarted device
+continues.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
-import os
-import re
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..algorithms import Algorithm, ClientContext, ClientState
@@ -27,14 +24,15 @@ from ..algorithms.base import Tensors
 from ..algorithms.training import adapter_tensors
 from ..data import UserData
 from ..eval import perplexity
+from ..eval.perplexity import cohort_split_nll
 from ..eval.tasks import split_accuracy, split_response_nll, split_rouge_l
 from ..models import mixtures, routing_stats, set_record_stats
 from ..models.amole import AMoLELinear
 from ..models.lease import LeaseLinear
 from ..models.quant import base_bytes
 from ..models.lora import LoRALinear, LoRAWeights
-from ..files import atomic_write
 from ..privacy import clip_upload
+from .states import StateStore
 from ..runtime import Runtime
 
 
@@ -87,127 +85,6 @@ def fresh_adapters(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
     return adapter_tensors(model)
 
 
-class _Slot(int):
-    """Where a packed tensor sits in ``pack``'s list."""
-
-
-def pack(obj):
-    """``obj`` (a ``ClientState`` or any nest of dataclasses, dicts, lists and tuples) with all its
-    tensors moved into one flat byte buffer: torch.save writes each tensor as its own record (a
-    client's state is ~150 small tensors with its AdamW moments, ~5 ms a save or load, which made a
-    1,000-client run spend its time pickling), and one buffer is one record. ``unpack`` inverts it."""
-    tensors = []
-
-    def walk(o):
-        if isinstance(o, torch.Tensor):
-            tensors.append(o.detach())
-            return _Slot(len(tensors) - 1)
-        if dataclasses.is_dataclass(o) and not isinstance(o, type):
-            return dataclasses.replace(o, **{f.name: walk(getattr(o, f.name)) for f in dataclasses.fields(o)})
-        if isinstance(o, dict):
-            return {k: walk(v) for k, v in o.items()}
-        if isinstance(o, (list, tuple)):
-            return type(o)(walk(v) for v in o)
-        return o
-    tree = walk(obj)
-    flat = [t.to("cpu").contiguous().reshape(-1).view(torch.uint8) for t in tensors]
-    meta = [(t.dtype, tuple(t.shape), str(t.device)) for t in tensors]  # each comes back where it was
-    return {"comix_packed": 1, "tree": tree, "meta": meta, "sizes": [f.numel() for f in flat],
-            "bytes": torch.cat(flat) if flat else torch.zeros(0, dtype=torch.uint8)}
-
-
-def unpack(packed):
-    """The object ``pack`` packed, each tensor its own copy; anything else is returned as it is
-    (a state saved before states were packed)."""
-    if not (isinstance(packed, dict) and packed.get("comix_packed")):
-        return packed
-    parts = packed["bytes"].split(packed["sizes"]) if packed["sizes"] else []
-    tensors = [p.view(dtype).reshape(shape).to(device, copy=True) for p, (dtype, shape, device) in zip(parts, packed["meta"])]
-
-    def walk(o):
-        if isinstance(o, _Slot):
-            return tensors[o]
-        if dataclasses.is_dataclass(o) and not isinstance(o, type):
-            return dataclasses.replace(o, **{f.name: walk(getattr(o, f.name)) for f in dataclasses.fields(o)})
-        if isinstance(o, dict):
-            return {k: walk(v) for k, v in o.items()}
-        if isinstance(o, (list, tuple)):
-            return type(o)(walk(v) for v in o)
-        return o
-    return walk(packed["tree"])
-
-
-class StateStore:
-    """Client states in memory, or on disk (one file per client) when ``directory`` is set."""
-
-    def __init__(self, directory: Path | None = None):
-        self.dir, self.mem = directory, {}
-
-    def _path(self, c: int) -> Path:
-        return self.dir / f"client{c}.pt"
-
-    def __contains__(self, c: int) -> bool:
-        return c in self.mem if self.dir is None else self._path(c).exists()
-
-    def __setitem__(self, c: int, state: ClientState):
-        if self.dir is None:
-            self.mem[c] = state
-        else:
-            atomic_write(self._path(c), lambda p: torch.save(pack(state), p))
-
-    def __getitem__(self, c: int) -> ClientState:
-        if self.dir is None:
-            return self.mem[c]
-        return unpack(torch.load(self._path(c), weights_only=False))
-
-
-class RoundStore(StateStore):
-    """Reads the state after round ``read`` (or the newest before it), writes the state after
-    round ``write``; keeps the previous round's file so a re-sent round starts from the right
-    state. Which rounds each client has on disk is read from the directory once and then kept
-    up to date by this store's own writes (one directory listing per read made a 1,000-client run
-    quadratic: a glob over every client's files for each client)."""
-
-    _NAME = re.compile(r"client(\d+)\.round(\d+)\.pt")
-
-    def __init__(self, directory: Path, read: int, write: int):
-        super().__init__(directory)
-        self.read, self.write = read, write
-        self._rounds: dict[int, set[int]] | None = None
-
-    def _file(self, c: int, r: int) -> Path:
-        return self.dir / f"client{c}.round{r}.pt"
-
-    def _index(self) -> dict[int, set[int]]:
-        if self._rounds is None:
-            self._rounds = {}
-            for name in (os.listdir(self.dir) if self.dir.exists() else ()):
-                m = self._NAME.fullmatch(name)
-                if m:
-                    self._rounds.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
-        return self._rounds
-
-    def _latest(self, c: int) -> Path | None:
-        """The newest state at or before round ``read`` (a device that missed rounds while it
-        was down continues from the last one it finished)."""
-        done = [r for r in self._index().get(c, ()) if r <= self.read]
-        return self._file(c, max(done)) if done else None
-
-    def __contains__(self, c: int) -> bool:
-        return self._latest(c) is not None
-
-    def __getitem__(self, c: int) -> ClientState:
-        return unpack(torch.load(self._latest(c), weights_only=False))
-
-    def __setitem__(self, c: int, state: ClientState):
-        atomic_write(self._file(c, self.write), lambda p: torch.save(pack(state), p))
-        rounds = self._index().setdefault(c, set())
-        rounds.add(self.write)
-        for r in [r for r in rounds if r < self.write - 1]:
-            self._file(c, r).unlink(missing_ok=True)
-            rounds.discard(r)
-
-
 def evaluate(model: nn.Module, user: UserData, train, runtime: Runtime = Runtime()) -> dict:
     """What a client reports after a round, chosen by its data's task (``train`` = the run's
     TrainConfig): perplexity of each of ``train.eval_splits`` (on instruction data: of the
@@ -247,37 +124,6 @@ def evaluate(model: nn.Module, user: UserData, train, runtime: Runtime = Runtime
         out["gates"] = [[round(v, 4) for v in s["mean_gate"].tolist()] for s in routing_stats(model)]
         set_record_stats(model, False)
     return out
-
-
-@torch.inference_mode()
-def cohort_split_nll(model: nn.Module, splits: list[torch.Tensor], seq_len: int, batch_size: int) -> list[tuple[float, int]]:
-    """``split_nll`` of each client of a cohort model (models/cohort.py) on its own split, in
-    forwards of ``batch_size`` windows a client: the same windows as one client at a time, a
-    shorter last window padded at its end (causal attention: the padding changes no earlier
-    position) and a client with fewer windows given rows without targets."""
-    device = next(model.parameters()).device
-    windows = []
-    for tokens in splits:
-        n_pred = len(tokens) - 1
-        rows = []
-        for s in range(0, n_pred, seq_len):
-            L = min(seq_len, n_pred - s)
-            x = torch.zeros(seq_len, dtype=torch.long)
-            y = torch.full((seq_len,), -100, dtype=torch.long)
-            x[:L], y[:L] = tokens[s:s + L], tokens[s + 1:s + 1 + L]
-            rows.append((x, y))
-        windows.append(rows)
-    most = max(len(w) for w in windows)
-    totals = [0.0] * len(splits)
-    empty = (torch.zeros(seq_len, dtype=torch.long), torch.full((seq_len,), -100, dtype=torch.long))
-    for b in range(0, most, batch_size):
-        xs, ys = zip(*(w[i] if i < len(w) else empty for w in windows for i in range(b, min(b + batch_size, most))))
-        x, y = torch.stack(xs).to(device), torch.stack(ys).to(device)
-        logits = model(input_ids=x).logits[:, -x.shape[1]:]
-        nll = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
-        for c, v in enumerate(nll.reshape(len(splits), -1).sum(1).tolist()):
-            totals[c] += v
-    return [(t, len(tokens) - 1) for t, tokens in zip(totals, splits)]
 
 
 def evaluate_cohort(model: nn.Module, users: list[UserData], train, runtime: Runtime = Runtime()) -> list[dict] | None:

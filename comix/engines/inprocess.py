@@ -31,7 +31,8 @@ from ..models.quant import base_bytes, quant_of_base, quantize_base, shared_obje
 from ..runtime import Runtime
 from ..progress import step as phase_step
 from ..files import atomic_write
-from .device import Device, Footprint, RoundStore, StateStore, evaluate, evaluate_cohort, pack, unpack
+from .device import Device, Footprint, evaluate, evaluate_cohort
+from .states import RoundStore, StateStore, pack, unpack
 from .server import finish_run, serve
 
 log = logging.getLogger("comix")

@@ -34,7 +34,8 @@ from ...data import load_corpus, make_user_data
 from ...data.corpora import user_folder
 from ...models import load_base_model
 from ...runtime import resolve
-from ..device import Device, RoundStore
+from ..device import Device
+from ..states import RoundStore
 from ..inprocess import ClientModels
 from .wire import from_arrays, from_json, from_parameters, secure_fitres, to_arrays, to_json
 
