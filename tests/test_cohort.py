@@ -291,3 +291,24 @@ def test_a_cohort_scores_each_client_on_its_own_split_of_any_length(setup):
         total, n = split_nll(single, splits[c], 16, 2)
         assert got[c][1] == n and got[c][0] == pytest.approx(total, rel=1e-5)
     assert got[0][0] != pytest.approx(got[1][0], rel=1e-2)
+
+
+def test_cohort_size_takes_what_memory_holds_and_falls_back_with_a_reason(setup, monkeypatch):
+    import dataclasses as dc
+
+    from comix.engines import inprocess
+    from comix.runtime import Runtime
+    model, users = setup
+    auto, why = inprocess.cohort_size(_algo("fedavg", "auto"), model, users, Runtime())
+    assert why == "" and 1 <= auto <= len(users)
+    monkeypatch.setattr(inprocess, "CPU_COHORT_MB", 1.0)  # a CPU step of at most 1 MB: one client at a time
+    assert inprocess.cohort_size(_algo("fedavg", "auto"), model, users, Runtime())[0] == 1
+    assert inprocess.cohort_size(_algo("fedavg", 2), model, users, Runtime()) == (2, "")
+    assert inprocess.cohort_size(_algo("fedavg", 9), model, users, Runtime()) == (3, "")  # no more than the clients
+    assert "slices" in inprocess.cohort_size(_algo("fedavg", 2), model, users, Runtime(micro_batches=2))[1]
+    assert "dropout" in inprocess.cohort_size(_algo("fedit", 2), model, users, Runtime())[1]
+    dropped = type(model.config).from_dict({**model.config.to_dict(), "attention_dropout": 0.1})
+    monkeypatch.setattr(model, "config", dropped)
+    size, why = inprocess.cohort_size(_algo("fedavg", 2), model, users, Runtime())
+    assert size == 1 and "attention_dropout" in why
+    assert dc.replace(_train(), cohort=1).cohort == 1
