@@ -38,7 +38,9 @@ Table kinds (``case.json``'s ``kind``):
              FedKMT needs at their spread, the teachers' in-domain premise.
 The marker ``<!-- table: methods -->`` is the one table made from code, not results: every method
 as its class declares it (bench/methods_table.py; docs/methods.md). ``<!-- table: layer-speed.md -->``
-(and ``layer-speed-full.md``, ``layer-speed-h200-bf16.md``) renders the result file bench/layer_speed.py writes.
+(and ``layer-speed-full.md``, ``layer-speed-h200-bf16.md``) renders the result file bench/layer_speed.py writes;
+``cohort-cpu-fp32.json`` bench/cohort.py's, and ``cohort-cpu-runs`` a folder of whole runs timed one
+client at a time and in cohorts (``/usr/bin/time -v`` lines and each method's server.jsonl).
 A case whose case.json names ``runs_of`` (another case) and ``methods`` holds no runs of its own:
 it shows those methods of the other case's runs in its own kind (one run, several tables).
 """

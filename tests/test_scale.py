@@ -108,3 +108,7 @@ def test_a_packed_state_comes_back_equal_tensor_for_tensor_and_an_unpacked_one_p
     back.adapters["a"].add_(1)  # its own copy: the packed buffer and the original are untouched
     assert not torch.equal(back.adapters["a"], state.adapters["a"])
     assert unpack(state) is state  # a state saved before packing loads as it was
+    odd = {"a": torch.ones(3), "b": torch.arange(5, dtype=torch.float64), "c": torch.ones(3, dtype=torch.bfloat16),
+           "d": torch.arange(7, dtype=torch.int64)}  # offsets that are no multiple of 8 unless packed aligned
+    back = unpack(pack(odd))
+    assert all(back[k].dtype == t.dtype and torch.equal(back[k], t) for k, t in odd.items())

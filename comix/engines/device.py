@@ -202,6 +202,18 @@ class Footprint:
         self.seen.clear()
 
 
+def planned_base_bytes(base: nn.Module) -> dict[str, float]:
+    """The frozen base's bytes as a device stores it at each precision: its block linears at 4
+    bytes, 1 byte + a scale per row, or half a byte + a scale per block of 64 (bitsandbytes' int8
+    and NF4 storage); embeddings, norms and head as they are."""
+    from ..models.inject import transformer_blocks
+    linears = [m for b in transformer_blocks(base) for m in b.modules() if type(m) is nn.Linear]
+    weights = sum(m.weight.numel() for m in linears)
+    rows = sum(m.out_features for m in linears)
+    rest = base_bytes(base) - weights * linears[0].weight.element_size()
+    return {"none": rest + weights * 4, "int8": rest + weights + rows * 4, "nf4": rest + weights / 2 + weights / 64}
+
+
 def training_memory(base: nn.Module, algorithm: Algorithm, user: UserData, client: int = 0,
                     measured: dict | None = None, micro_batches: tuple[int, ...] = (1,)) -> dict[tuple[str, int], float]:
     """MB client ``client`` of ``algorithm`` needs to train on ``user``'s data, with the
@@ -215,7 +227,6 @@ def training_memory(base: nn.Module, algorithm: Algorithm, user: UserData, clien
     import copy
 
     from ..models import inject_adapters
-    from ..models.inject import transformer_blocks
     cfg = algorithm.adapter_config(client)
     gen = torch.Generator().manual_seed(0)
     x, y = algorithm.train_batch(ClientContext(client, None, user, algorithm.train), gen)
@@ -230,12 +241,7 @@ def training_memory(base: nn.Module, algorithm: Algorithm, user: UserData, clien
     fresh_adapters(model, 0)
     autocast = torch.autocast(weight.device.type, dtype=weight.dtype, enabled=weight.dtype != torch.float32)
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    linears = [m for b in transformer_blocks(base) for m in b.modules() if type(m) is nn.Linear]
-    weights = sum(m.weight.numel() for m in linears)
-    rows = sum(m.out_features for m in linears)
-    total = base_bytes(base)
-    rest = total - weights * linears[0].weight.element_size()  # embeddings, norms, head: as they are
-    stored = {"none": weights * 4, "int8": weights + rows * 4, "nf4": weights / 2 + weights / 64}
+    stored = planned_base_bytes(base)
     from ..algorithms.training import lm_loss
     need = {}
     for m in micro_batches:
@@ -243,7 +249,7 @@ def training_memory(base: nn.Module, algorithm: Algorithm, user: UserData, clien
             lm_loss(model, x.chunk(m)[0], y.chunk(m)[0]).backward()
         model.zero_grad(set_to_none=True)
         trainable = params * (16 if m == 1 else 20)
-        need.update({(q, m): (rest + b + trainable + footprint.peak) / 2**20 for q, b in stored.items()})
+        need.update({(q, m): (b + trainable + footprint.peak) / 2**20 for q, b in stored.items()})
     if measured is not None:
         measured[key] = need
     return need

@@ -27,7 +27,7 @@ from ..data import UserData
 from ..models import inject_adapters
 from ..models.cohort import load_stacked, stack_clients
 from ..models.mixture import set_compiled
-from ..models.quant import base_bytes, quant_of_base, quantize_base, shared_objects
+from ..models.quant import quant_of_base, quantize_base, shared_objects
 from ..runtime import Runtime
 from ..progress import step as phase_step
 from ..files import atomic_write
@@ -93,6 +93,8 @@ def cohort_size(algorithm: Algorithm, base: nn.Module, users: list[UserData], ru
     dropouts = {k: v for k, v in (vars(config) if config is not None else {}).items()
                 if ("dropout" in k or k.endswith("pdrop")) and isinstance(v, float) and v > 0}
     reason = algorithm.cohort_refusal() or (
+        "its instruction batches are padded to each client's own longest example" if any(
+            getattr(u, "task", "lm") != "lm" for u in users) else
         "fp16 scales each client's loss on its own (a skipped step is per client)" if runtime.precision == "fp16" else
         "its devices compute their batches in slices (micro_batches)" if runtime.micro_batches != 1 else
         f"the base model's dropout ({', '.join(dropouts)}) draws per client turn" if dropouts else None)
@@ -100,9 +102,11 @@ def cohort_size(algorithm: Algorithm, base: nn.Module, users: list[UserData], ru
         return 1, reason
     if want != "auto":
         return min(want, len(users)), ""
-    from .device import training_memory
-    need = training_memory(base, algorithm, users[0], micro_batches=(1,))[(runtime.quant_of(0), 1)]
-    per_client = max(1.0, need - base_bytes(base) / 2**20)  # MB
+    from .device import planned_base_bytes, training_memory
+    quant = runtime.quant_of(0)
+    firsts = {repr(algorithm.adapter_config(c)): c for c in reversed(range(len(users)))}  # one client an architecture
+    need = max(training_memory(base, algorithm, users[c], c, micro_batches=(1,))[(quant, 1)] for c in firsts.values())
+    per_client = max(1.0, need - planned_base_bytes(base)[quant] / 2**20)  # MB beyond the base, the largest client
     if runtime.device.type == "cuda":
         free = torch.cuda.mem_get_info(runtime.device)[0] / 2**20
     else:  # Linux: what the kernel can give without swapping

@@ -44,8 +44,10 @@ def pack(obj):
     tree = _map_leaves(obj, torch.Tensor, slot)
     flat = [t.to("cpu").contiguous().reshape(-1).view(torch.uint8) for t in tensors]
     meta = [(t.dtype, tuple(t.shape), str(t.device)) for t in tensors]  # each comes back where it was
+    # each tensor starts at an 8-byte boundary: viewing bytes as float64 / int64 needs an aligned offset
+    padded = [torch.cat([f, f.new_zeros(-f.numel() % 8)]) for f in flat]
     return {"comix_packed": 1, "tree": tree, "meta": meta, "sizes": [f.numel() for f in flat],
-            "bytes": torch.cat(flat) if flat else torch.zeros(0, dtype=torch.uint8)}
+            "bytes": torch.cat(padded) if padded else torch.zeros(0, dtype=torch.uint8)}
 
 
 def unpack(packed):
@@ -53,7 +55,11 @@ def unpack(packed):
     (a state saved before states were packed)."""
     if not (isinstance(packed, dict) and packed.get("comix_packed")):
         return packed
-    parts = packed["bytes"].split(packed["sizes"]) if packed["sizes"] else []
+    starts, at = [], 0
+    for n in packed["sizes"]:
+        starts.append(at)
+        at += n + (-n % 8)
+    parts = [packed["bytes"][s:s + n] for s, n in zip(starts, packed["sizes"])]
     tensors = [p.view(dtype).reshape(shape).to(device, copy=True) for p, (dtype, shape, device) in zip(parts, packed["meta"])]
     return _map_leaves(packed["tree"], _Slot, lambda s: tensors[s])
 

@@ -45,6 +45,9 @@ def stack_clients(model: nn.Module, clients: int) -> nn.Module:
     adapters |= {id(m.router.weight) for m in model.modules() if isinstance(m, MixtureOfLoRA) and m.router is not None}
     # the frozen base's tensors (and quantised storage objects) are the copy's own: memory once
     shared = {id(t): t for t in (*model.parameters(), *model.buffers(), *shared_objects(model)) if id(t) not in adapters}
+    for m in model.modules():  # the last forward's routing (graph tensors, which deepcopy refuses) stays behind
+        if isinstance(m, MixtureOfLoRA):
+            shared[id(m.last_routing)] = None
     stacked = copy.deepcopy(model, memo=shared)
     with torch.no_grad():
         for m in stacked.modules():
