@@ -42,8 +42,14 @@ class DeviceProfile:
     source: str = ""             # where the figures come from
 
     def problem(self) -> str | None:
-        if not 0 < self.share <= 1 or self.memory_mb <= 0 or self.tokens_per_s <= 0 or not 0 < self.availability <= 1:
-            return f"fleet profile {self.name!r}: share and availability in (0, 1], memory_mb and tokens_per_s > 0"
+        """What is wrong with the profile, naming the key and its value (None: nothing)."""
+        for key, ok, want in (("share", lambda v: 0 < v <= 1, "a number in (0, 1]"),
+                              ("memory_mb", lambda v: v > 0, "a number of megabytes > 0 (no unit)"),
+                              ("tokens_per_s", lambda v: v > 0, "a number > 0"),
+                              ("availability", lambda v: 0 < v <= 1, "a number in (0, 1]")):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+                return f"profile {self.name!r}: {key} must be {want}, got {value!r}"
         return None
 
 
@@ -72,6 +78,10 @@ class Fleet:
         return self.deadline_s > 0 and self.seconds(client, n_clients, tokens) > self.deadline_s
 
 
+# why a device's update is missing when it trained past the deadline (said by the device under
+# secure aggregation, where the server cannot see an update to drop: engines/flower)
+DEADLINE_MISSED = "past the round's deadline"
+
 BUILTIN = Path(__file__).parent / "data" / "fleets"  # phones, edge-boards, mixed: sources in each file
 
 
@@ -87,19 +97,34 @@ def load_fleet(path: str | None) -> Fleet | None:
     file = BUILTIN / f"{path}.yaml" if path in builtin_fleets() else Path(path)
     if not file.is_file():
         raise ValueError(f"fleet {path}: no such file (built-in fleets: {', '.join(builtin_fleets())})")
+    keys = "keys: deadline_s, profiles: a list of {name, share, memory_mb, tokens_per_s, availability, source}"
     try:
-        raw = yaml.safe_load(file.read_text()) or {}
-        profiles = [DeviceProfile(**p) for p in raw.get("profiles", [])]
-        fleet = Fleet(profiles, float(raw.get("deadline_s", 0.0)))
-    except (TypeError, yaml.YAMLError) as e:
-        raise ValueError(f"fleet {path}: {str(e).splitlines()[0]} (keys: deadline_s, profiles: name, share, "
-                         "memory_mb, tokens_per_s, availability, source)") from None
-    if not profiles:
+        raw = yaml.safe_load(file.read_text())
+    except yaml.YAMLError as e:
+        raise ValueError(f"fleet {path}: not valid YAML: {str(e).splitlines()[0]}") from None
+    raw = {} if raw is None else raw
+    if not isinstance(raw, dict):
+        raise ValueError(f"fleet {path}: the file must hold a mapping ({keys}), not a {type(raw).__name__}")
+    unknown = sorted(set(raw) - {"deadline_s", "profiles"})
+    if unknown:
+        raise ValueError(f"fleet {path}: unknown key {unknown[0]!r} ({keys})")
+    deadline = raw.get("deadline_s", 0.0)
+    if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or deadline < 0:
+        raise ValueError(f"fleet {path}: deadline_s must be a number of seconds >= 0 (0: none), got {deadline!r}")
+    items = raw.get("profiles") or []
+    if not isinstance(items, list) or not all(isinstance(p, dict) for p in items):
+        raise ValueError(f"fleet {path}: profiles must be a list of mappings ({keys})")
+    if not items:
         raise ValueError(f"fleet {path}: profiles is empty")
-    for p in profiles:
-        if p.problem():
-            raise ValueError(f"fleet {path}: {p.problem()}")
-    return fleet
+    profiles = []
+    for i, item in enumerate(items):
+        try:
+            profiles.append(DeviceProfile(**item))
+        except TypeError as e:  # a missing or unknown key
+            raise ValueError(f"fleet {path}: profile {i + 1}: {str(e).split('.__init__() ')[-1]} ({keys})") from None
+        if profiles[-1].problem():
+            raise ValueError(f"fleet {path}: {profiles[-1].problem()}")
+    return Fleet(profiles, float(deadline))
 
 
 Setting = tuple[str, int]  # a device's (base precision, micro-batches)

@@ -31,6 +31,10 @@ def load_inputs(cfg: RunConfig):
     corpus = load_corpus(cfg.corpus)
     shape = model_config(cfg.model)  # sizes only, no weights
     problems, full_precision_base = [], cfg.quant == "auto"
+    from .models.quant import quant_refusal
+    refused = quant_refusal(shape.model_type, cfg.model, {cfg.quant} if isinstance(cfg.quant, str) else set(cfg.quant))
+    if refused:
+        problems.append(refused)
     for spec in cfg.methods:  # every method's options checked before the model loads, all problems at once
         sized = sized_option(spec)
         if sized and not cfg.fleet:

@@ -60,6 +60,8 @@ def spec_config(cfg: RunConfig, spec: str) -> RunConfig:
     for key, value in REGISTRY[name][0].train_defaults.items():  # the method's authors' optimiser,
         if key not in cfg.explicit_train:                         # unless the user set the key
             setattr(out.train, key, copy.deepcopy(value))
+    if REGISTRY[name][0].fresh_optimizer_each_round:  # the authors' loop, whatever a recipe shares (Algorithm)
+        out.train.optimizer_state = "round"
     for item in items:
         if "=" not in item:
             raise ConfigError(f"method {spec!r}: option {item!r} must look like key=value")

@@ -409,6 +409,8 @@ def test_each_method_s_effective_optimiser_and_its_source(method):
         assert got == dict(lr=3e-3 if method == "fedlease" else 3e-4, schedule="round_linear", lr_decay=0.99,
                            weight_decay=0.05 if method in ("fedalt", "fedlease") else 0.0, betas=[0.9, 0.999],
                            optimizer_state="round")
+        assert _effective(method).grad_clip == 1.0  # the Trainer's max_grad_norm
+        assert _effective(method, "train.grad_clip=0").grad_clip == 0
         assert {"flora": "ATP-1010/FederatedLLM main.py", "fedalt": "jmbian/FedALT client.py",
                 "feddpa-t": "Lydia-yang/FedDPA main.py", "feddpa-f": "Lydia-yang/FedDPA main.py",
                 "fedlease": "lei-wang-link/FedLEASE client.py"}[method] in \
@@ -417,6 +419,16 @@ def test_each_method_s_effective_optimiser_and_its_source(method):
         assert got == dict(lr=2e-3, schedule="cosine", lr_decay=0.99, weight_decay=0.01, betas=[0.9, 0.95],
                            optimizer_state="run")
         assert "CoMiGS App. B.1" in cls.train_defaults_source
+    # a recipe's shared optimizer_state never hands moments across rounds where the authors build a
+    # new optimiser every round (FLoRA's fresh LoRA would inherit the last one's Adam moments)
+    fresh = method in ("flora", "fedalt", "feddpa-t", "feddpa-f", "fedlease") or cls.__name__ == "FedAMoLE"
+    assert bool(cls.fresh_optimizer_each_round) == fresh
+    assert _effective(method, "train.optimizer_state=run").optimizer_state == ("round" if fresh else "run")
+    if method not in ("centralized", "pretrained", "central-moe") and not cls.needs_server_data:
+        from comix.config import load_config
+        from comix.specs import build_algorithm
+        cfg = load_config(None, [f"methods=[{method}]", "train.optimizer_state=run", "train.rounds=6"])
+        assert build_algorithm(cfg, method, 10).train.optimizer_state == ("round" if fresh else "run")
     assert _effective(method, "train.lr=0.01", "train.betas=[0.8,0.9]").lr == 0.01
     assert _effective(method, "train.betas=[0.8,0.9]").betas == [0.8, 0.9]
 

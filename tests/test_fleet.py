@@ -109,6 +109,38 @@ def test_a_bad_fleet_file_is_named_in_one_line(tmp_path, capsys):
     assert "no such file" in capsys.readouterr().err and not (tmp_path / "run").exists()
 
 
+GOOD_PROFILE = "{name: x, share: 1.0, memory_mb: 512, tokens_per_s: 100}"
+
+
+@pytest.mark.parametrize("text, names", [
+    ("profiles:\n  - {name: x, share: 1.0, memory_mb: 1GB, tokens_per_s: 100}\n", ("memory_mb", "'1GB'")),
+    ("profiles:\n  - {name: x, share: 1.0, memory_mb: -5, tokens_per_s: 100}\n", ("memory_mb", "-5")),
+    ("profiles:\n  - {name: x, share: 1.0, memory_mb: 512, tokens_per_s: fast}\n", ("tokens_per_s", "'fast'")),
+    ("profiles:\n  - {name: x, share: 1.0, memory_mb: 512, tokens_per_s: 100, availability: 2}\n",
+     ("availability", "2")),
+    (f"- {GOOD_PROFILE}\n", ("must hold a mapping", "list")),
+    (f"deadline_s: soon\nprofiles: [{GOOD_PROFILE}]\n", ("deadline_s", "'soon'")),
+    (f"deadline_s: -5\nprofiles: [{GOOD_PROFILE}]\n", ("deadline_s", "-5")),
+    (f"deadline: 5\nprofiles: [{GOOD_PROFILE}]\n", ("unknown key", "'deadline'")),
+    ("profiles: phones\n", ("profiles must be a list",)),
+])
+def test_every_bad_fleet_value_is_refused_naming_the_file_the_key_and_the_value(tmp_path, text, names):
+    from comix.fleet import load_fleet
+    path = tmp_path / "f.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as err:
+        load_fleet(str(path))
+    line = str(err.value)
+    assert "\n" not in line and line.startswith(f"fleet {path}: ") and all(n in line for n in names), line
+
+
+def test_a_fleet_s_unit_string_stops_the_cli_before_any_run_directory(tmp_path, capsys):
+    bad = _fleet_file(tmp_path, "profiles:\n  - {name: x, share: 1.0, memory_mb: 1GB, tokens_per_s: 1}\n")
+    assert main(["run", *COMMON, f"fleet={bad}", f"run_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "memory_mb" in err[0] and "'1GB'" in err[0] and not (tmp_path / "run").exists()
+
+
 def test_quant_auto_gives_each_device_its_own_base_and_each_trains_as_alone_at_that_precision(tmp_path):
     # Local: no client depends on another, so each client of a fleet whose devices differ in
     # precision must score exactly as in a run where every device has that client's precision
@@ -209,3 +241,18 @@ def test_experts_and_ranks_auto_are_sized_per_device_and_written_into_the_run_s_
                        (["methods=['fedavg:ranks=auto']", f"fleet={fleet}"], "fedavg can size nothing")):
         assert main(["run", *common, *bad, f"run_dir={tmp_path / 'bad'}"]) == 2
         assert words in capsys.readouterr().err and not (tmp_path / "bad").exists()
+
+
+def test_a_gpt2_base_refuses_a_quantised_base_in_one_line_and_trains_in_a_fleet(tmp_path, capsys):
+    """GPT-2's blocks are Conv1D, which bitsandbytes has no form of: quant=nf4 is refused before the
+    model loads (it used to run unquantised while its metrics said nf4); a fleet plans it in full
+    precision (planning used to end in an IndexError)."""
+    gpt2 = [a if not a.startswith("model=") else "model=tiny-gpt2" for a in COMMON]
+    assert main(["run", *gpt2, "quant=nf4", f"run_dir={tmp_path / 'nf4'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "quant=nf4" in err[0] and "Conv1D" in err[0] and not (tmp_path / "nf4").exists()
+    fleet = _fleet_file(tmp_path, "deadline_s: 0\nprofiles:\n  - {name: big, share: 1.0, memory_mb: 100000, "
+                                  "tokens_per_s: 1000}\n")
+    assert main(["run", *gpt2, "train.rounds=1", f"fleet={fleet}", "quant=auto", f"run_dir={tmp_path / 'f'}"]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "f" / "fedavg" / "metrics.jsonl").read_text().splitlines()]
+    assert {r.get("quant") for r in rows if "quant" in r} == {"none"}

@@ -189,14 +189,14 @@ def test_feddpa_t_trains_the_global_lora_alone_first_then_local_beside_the_froze
                                                                                                      monkeypatch):
     from comix.algorithms import feddpa
     model, users = setup
-    algo = _algo("feddpa-t")
+    algo = _algo("feddpa-t", local_weight=0.3)  # a != 0.5: the pair's order matters
     ctx, state = _client(algo, model, users, 0)
     seen = []
     real = feddpa.train_step
 
     def spy(m, *args, **kwargs):
         layer = feddpa.pairs(m)[0]
-        seen.append((tuple(layer.instance_fusion.tolist()), layer.lora.lora_A.requires_grad,
+        seen.append((tuple(round(w, 6) for w in layer.instance_fusion.tolist()), layer.lora.lora_A.requires_grad,
                      layer.lora_local.lora_A.requires_grad))
         return real(m, *args, **kwargs)
     monkeypatch.setattr(feddpa, "train_step", spy)
@@ -209,7 +209,8 @@ def test_feddpa_t_trains_the_global_lora_alone_first_then_local_beside_the_froze
     before = dict(state.adapters)
     state, up, _ = algo.client_round(ctx, state, {})
     assert _roles_moved(before, state.adapters) == {"attention_lora", "personal_lora"}
-    assert seen == [((0.5, 0.5), False, True)] * 3 + [((1.0, 0.0), True, False)] * 3  # local phase, then global
+    # local phase at (1 - a, a) = (global, local), then global alone
+    assert seen == [((0.7, 0.3), False, True)] * 3 + [((1.0, 0.0), True, False)] * 3
     assert {param_role(n) for n in up} == {"attention_lora"}  # the local LoRA never leaves
     assert all(p.grad is None or not p.grad.any() for n, p in ctx.model.named_parameters() if param_role(n) == "base")
 
@@ -268,6 +269,59 @@ def test_feddpa_s_dynamic_weights_are_the_authors_mean_cosine_and_causal(setup):
         changed = ctx.model(input_ids=y).logits
     assert torch.allclose(changed[:, :8], logits[:, :8], atol=1e-5)
     assert all(m.instance_fusion is None for m in pairs(ctx.model))  # nothing left set after scoring
+
+
+def test_feddpa_s_instance_embedding_is_computed_with_the_local_adapter_alone(setup):
+    """get_weight embeds the instance with the local adapter (the global one switched off)."""
+    from comix.algorithms.feddpa import last_hidden
+    model, users = setup
+    algo = _algo("feddpa-t")
+    ctx, state = _client(algo, model, users, 0)
+    x = users[0].test[:12].long().view(1, 12)
+
+    def embedding(role, scale):
+        adapters = {n: (torch.randn_like(t) * scale if param_role(n) == role and n.endswith("lora_B") else t)
+                    for n, t in state.adapters.items()}
+        load_adapters(ctx.model, adapters)
+        return last_hidden(ctx.model, x)
+    torch.manual_seed(0)
+    plain = embedding("personal_lora", 0.0)
+    assert torch.equal(embedding("attention_lora", 0.5), plain)  # the global LoRA plays no part
+    assert not torch.allclose(embedding("personal_lora", 0.5), plain, atol=1e-4)  # the local one does
+
+
+def test_feddpa_generates_with_the_prompt_s_last_token_weight_at_every_position(setup):
+    """GlobalModel_generated.py computes one weight an instance (its prompt's last token) before
+    ``generate``: every position of a cached generation, the prompt's included, uses it."""
+    from comix.algorithms.feddpa import DynamicWeighting, pairs, set_mixing
+    model, users = setup
+    algo = _algo("feddpa-t")
+    ctx, state = _client(algo, model, users, 0)
+    for n in state.adapters:
+        state.adapters[n] = torch.randn_like(state.adapters[n]) * 0.3 if n.endswith("lora_B") else state.adapters[n]
+    load_adapters(ctx.model, state.adapters)
+    ctx.model.eval()
+    refs = torch.randn(6, ctx.model.config.hidden_size)
+    x = users[0].test[:20].long().view(2, 10)
+    with DynamicWeighting(ctx.model, refs, instances=6, w=0.5, seed=0), torch.no_grad():
+        ctx.model(input_ids=x)
+        causal = pairs(ctx.model)[0].instance_fusion.clone()
+        out = ctx.model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=2, do_sample=False,
+                                 output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    assert not torch.allclose(causal[:, :1], causal[:, -1:], atol=1e-4)  # the weights do vary by position
+    last = causal[:, -1]
+    for step, logits in enumerate(out.logits):  # each step against a full forward at the one weight
+        seq = out.sequences[:, :x.shape[1] + step]
+        set_mixing(ctx.model, last[:, None, :].expand(seq.shape[0], seq.shape[1], 2))
+        with torch.no_grad():
+            want = ctx.model(input_ids=seq).logits[:, -1]
+        set_mixing(ctx.model, None)
+        assert torch.allclose(logits, want, atol=1e-4), step
+    with torch.no_grad():  # the causal weights would give another prefill
+        set_mixing(ctx.model, causal)
+        other = ctx.model(input_ids=x).logits[:, -1]
+        set_mixing(ctx.model, None)
+    assert not torch.allclose(out.logits[0], other, atol=1e-4)
 
 
 # -- FedLEASE ------------------------------------------------------------------------------------
@@ -368,6 +422,13 @@ def test_fedlease_uploads_nothing_in_warm_up_b_at_its_end_then_own_expert_and_ro
                 members = [j for j in range(3) if groups[j] == groups[c]]
                 assert torch.allclose(t, sum(uploads[j][n] for j in members) / len(members))
         assert {int(n.split(".lease_experts.")[1][0]) for n in payloads[c] if "lease_experts" in n} == {0, 1}
+        # scored after a clustered round: the cluster means and the cluster's router it receives
+        # (main.py evaluates after client.load_params(aggregated_params[client_id])), not what it trained
+        ctx, state = clients[c]
+        scored = algo.personal_adapters(ctx, state, payloads[c])
+        sent = {n: t for n, t in payloads[c].items() if n != "lease.plan"}
+        assert sent and all(torch.equal(scored[n], t) for n, t in sent.items())
+        assert any(not torch.equal(scored[n], state.adapters[n]) for n in sent)
 
 
 def test_fedlease_moves_the_warmed_lora_to_its_cluster_s_slot_and_trains_only_its_expert_and_router(setup):

@@ -61,9 +61,9 @@ class LoopbackGrid:
         return out
 
 
-def _recipe(tmp_path, data, secure: bool, rounds=2, privacy=""):
-    cfg = tmp_path / f"recipe-{secure}-{rounds}.yaml"
-    cfg.write_text(f"""model: tiny-llama
+def _recipe(tmp_path, data, secure: bool, rounds=2, privacy="", extra=""):
+    cfg = tmp_path / f"recipe-{secure}-{rounds}{'-fleet' if extra else ''}.yaml"
+    cfg.write_text(f"""{extra}model: tiny-llama
 corpus: {data}
 methods: [fedavg]
 seed: 42
@@ -140,6 +140,30 @@ def test_a_client_lost_mid_protocol_leaves_the_others_sum(plain_and_secure):
     server = [json.loads(x) for x in (tmp_path / "dropout" / "fedavg" / "server.jsonl").read_text().splitlines()]
     assert server[0]["secure_sum_of"] == 2
     assert "SecAgg+" in (tmp_path / "dropout" / "fedavg" / "privacy.md").read_text()
+
+
+def test_deadlines_and_availability_drop_the_same_devices_under_secure_aggregation(plain_and_secure):
+    """A device past the round's deadline leaves SecAgg+ before masking (the server cannot drop a
+    masked update): the same devices count as without it. (An unavailable one is not asked, on
+    either path; with 3 devices one more away would leave SecAgg+ below its threshold.)"""
+    tmp_path, data, _, _ = plain_and_secure
+    fleet = tmp_path / "fleet.yaml"  # clients 0, 1, 2 take the profiles in order
+    fleet.write_text("deadline_s: 10\nprofiles:\n"
+                     "  - {name: fast, share: 0.34, memory_mb: 100000, tokens_per_s: 1000}\n"
+                     "  - {name: slow, share: 0.33, memory_mb: 100000, tokens_per_s: 1}\n"
+                     "  - {name: fast, share: 0.33, memory_mb: 100000, tokens_per_s: 1000}\n")
+    runs = {}
+    for secure in (False, True):
+        cfg = _recipe(tmp_path, data, secure, rounds=3, extra=f"fleet: {fleet}\n")
+        _, payload, _ = _serve(tmp_path, f"fleet-{secure}", cfg)
+        server = [json.loads(x) for x in (tmp_path / f"fleet-{secure}" / "fedavg" / "server.jsonl").read_text().splitlines()]
+        runs[secure] = payload, [s.get("dropped", {}) for s in server]
+    assert runs[True][1] == runs[False][1]
+    assert all(d.get("1") == "deadline" for d in runs[True][1])  # the slow device, every round
+    sums = [json.loads(x)["secure_sum_of"] for x in (tmp_path / "fleet-True" / "fedavg" / "server.jsonl").read_text().splitlines()]
+    assert sums == [2, 2, 2]
+    for n, t in runs[True][0].items():  # the aggregate of the same devices, within SecAgg+'s quantisation
+        assert torch.allclose(t, runs[False][0][n], atol=6 * STEP, rtol=0), n
 
 
 def test_dp_noise_on_the_secure_sum_is_the_plain_run_s_noise(plain_and_secure):

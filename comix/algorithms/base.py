@@ -79,6 +79,11 @@ class Algorithm:
     # ``dp_refusal`` says why a method cannot offer it.
     dp_aggregate = False
     dp_refusal_reason: str | None = None
+    # Where the authors build a new optimiser every round (a transformers Trainer per round, or
+    # FedAMoLE's Adam built inside each round), the source saying so: ``train.optimizer_state`` is
+    # then "round" whatever a recipe shares among its methods, because moments carried over would
+    # belong to adapters the round re-initialises or replaces (FLoRA's fresh LoRA, FedAMoLE's slots).
+    fresh_optimizer_each_round: str | None = None
     # Why a quantised frozen base (``quant``: models/quant.py) cannot serve this method (one line),
     # or None. Clients over the shared base get it quantised by the engine; a client that holds its
     # own model (``device_spec``) gets it from ``build_device_model(spec, base, quant)``, built from
@@ -95,6 +100,8 @@ class Algorithm:
                             "comix's TrainConfig defaults"
 
     def __init__(self, lora: LoRAConfig, train: TrainConfig, n_clients: int):
+        if self.fresh_optimizer_each_round:
+            train = dataclasses.replace(train, optimizer_state="round")
         self.lora, self.train, self.n_clients = lora, train, n_clients
         self.server: ServerContext | None = None  # set by the engine before the run
         self.privacy = PrivacyConfig()            # set by specs.build_algorithm from the config

@@ -31,7 +31,9 @@ import torch
 from ..models import AdapterConfig, LoRAConfig, param_role
 from .base import Algorithm, Tensors
 
-FEDALT_OPTIMIZER = dict(lr=3e-4, schedule="round_linear", weight_decay=0.05, betas=[0.9, 0.999], optimizer_state="round")
+# transformers' Trainer defaults where the authors set nothing: max_grad_norm 1.0, betas (0.9, 0.999)
+FEDALT_OPTIMIZER = dict(lr=3e-4, schedule="round_linear", weight_decay=0.05, betas=[0.9, 0.999], grad_clip=1.0)
+TRAINER_PER_ROUND = "a transformers Trainer built every round, its AdamW with it"
 
 
 class FedALT(Algorithm):
@@ -42,7 +44,9 @@ class FedALT(Algorithm):
     # rest-of-world that sum minus its own upload (server_round): the only release is the sum
     dp_aggregate = True
     train_defaults = FEDALT_OPTIMIZER
-    train_defaults_source = "jmbian/FedALT client.py (AdamW 3e-4, decay 0.05, a Trainer per round: linear decay)"
+    train_defaults_source = "jmbian/FedALT client.py (AdamW 3e-4, decay 0.05, a Trainer per round: linear decay, " \
+                            "max_grad_norm 1.0)"
+    fresh_optimizer_each_round = f"jmbian/FedALT client.py: {TRAINER_PER_ROUND}"
 
     def __init__(self, lora, train, n_clients, alpha: float = 32.0, dropout: float = 0.05,
                  targets: list[str] | None = None):

@@ -42,7 +42,6 @@ exposes); off by default.
 """
 from __future__ import annotations
 
-import dataclasses
 import re
 import time
 
@@ -77,13 +76,14 @@ class FedAMoLE(Algorithm):
     dp_aggregate = True
     section = "fedamole"
     evaluate_local = True  # scored after local training, before aggregation (main.py)
+    fresh_optimizer_each_round = "zyc140345/FedAMoLE node.py (Client.train_experts builds Adam inside the round)"
 
     def __init__(self, lora, train, n_clients, targets: list[str] | None = None, pool: int = 30, slots: int = 8,
                  top_k: int = 2, k_c: int = 2, shared: bool = True, router: str = "amole", score_scale: str = "d",
                  renormalize: bool = False, dropout: float = 0.05, beta: float = 1e-3, assignment: str = "rsea",
                  solver: str = "scip", embed_frac: float = 0.05, embed_examples: int = 200, embed_noise: float = 0.0,
                  homogeneous: bool = False):
-        super().__init__(lora, dataclasses.replace(train, optimizer_state="round"), n_clients)
+        super().__init__(lora, train, n_clients)
         self.cfg = AMoLEConfig(targets=list(targets or ["q_proj", "v_proj"]), r=lora.r, alpha=lora.alpha,
                                dropout=dropout, pool=pool, slots=slots, top_k=top_k, shared=shared, router=router,
                                score_scale=score_scale, renormalize=renormalize)

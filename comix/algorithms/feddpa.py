@@ -40,6 +40,7 @@ from ..data import sample_batch
 from ..models import AdapterConfig, LoRAConfig, param_role
 from ..models.lora import LoRALinear
 from .base import Algorithm, ClientContext, ClientState, Tensors
+from .fedalt import TRAINER_PER_ROUND
 from .flora import FLORA_OPTIMIZER
 from .training import expert_lr, keep_optimizer, make_optimizer, train_step
 
@@ -66,7 +67,8 @@ class FedDPA(Algorithm):
     dp_aggregate = True  # the global LoRA's uniform mean
     train_defaults = FLORA_OPTIMIZER
     train_defaults_source = "Lydia-yang/FedDPA main.py (lr 3e-4; a transformers Trainer per phase: AdamW, " \
-                            "no decay, linear schedule)"
+                            "no decay, linear schedule, max_grad_norm 1.0)"
+    fresh_optimizer_each_round = f"Lydia-yang/FedDPA main.py: {TRAINER_PER_ROUND} and phase"
 
     def __init__(self, lora, train, n_clients, iterative: bool = True, local_weight: float = 0.5,
                  dynamic_weight: float = 0.5, instances: int = 5, pool: int = 32, finetune_steps: int = 0,
@@ -198,8 +200,10 @@ def references(model, data, n: int, seq_len: int, seed: int) -> torch.Tensor:
 class DynamicWeighting:
     """While active, every forward of ``model`` first embeds its input with the local adapter and
     weighs the pair per sequence and position: global w * mean_j cos(e_t, ref_j) over
-    ``instances`` references drawn per sequence, local 1 - that. A forward that continues a
-    cache (generation) keeps the weight of the prompt's last token."""
+    ``instances`` references drawn per sequence, local 1 - that. Generation (a forward given a
+    cache) weighs every position, the prompt's too, with the prompt's last token's weight, one
+    weight an instance as GlobalModel_generated.py computes it before ``generate``; a forward
+    without a cache (scoring a continuation, perplexity) keeps each position's own causal weight."""
 
     def __init__(self, model, refs: torch.Tensor, instances: int, w: float, seed: int):
         self.model, self.refs, self.instances, self.w = model, refs, instances, w
@@ -210,8 +214,8 @@ class DynamicWeighting:
         if self.inside:
             return
         ids = kwargs.get("input_ids", args[0] if args else None)
-        past = kwargs.get("past_key_values")
-        if past is not None and self.last is not None and past.get_seq_length() > 0:
+        past = kwargs.get("cache", kwargs.get("past_key_values"))  # transformers 5 names it cache, 4 past_key_values
+        if past is not None and self.last is not None and past.get_seq_length() > 0:  # a generated token
             set_mixing(module, self.last[:, None, :].expand(ids.shape[0], ids.shape[1], 2))
             return
         self.inside = True
@@ -226,6 +230,8 @@ class DynamicWeighting:
         g = self.w * sim
         weights = torch.stack([g, 1 - g], dim=-1)
         self.last = weights[:, -1]
+        if past is not None:  # generation's prompt (left-padded: its last token is every row's last)
+            weights = self.last[:, None, :].expand_as(weights)
         set_mixing(module, weights)
 
     def __enter__(self):

@@ -40,10 +40,10 @@ import torch
 from ..models import AdapterConfig, LoRAConfig, param_role
 from ..models.lease import LeaseConfig
 from .base import Algorithm, ClientContext, ClientState, Tensors
+from .fedalt import TRAINER_PER_ROUND
 from .training import average
 
-FEDLEASE_OPTIMIZER = dict(lr=3e-3, schedule="round_linear", weight_decay=0.05, betas=[0.9, 0.999],
-                          optimizer_state="round")
+FEDLEASE_OPTIMIZER = dict(lr=3e-3, schedule="round_linear", weight_decay=0.05, betas=[0.9, 0.999], grad_clip=1.0)
 EXPERT = ".lease_experts."
 
 
@@ -91,7 +91,8 @@ class FedLEASE(Algorithm):
     section = "fedlease"
     train_defaults = FEDLEASE_OPTIMIZER
     train_defaults_source = "lei-wang-link/FedLEASE client.py (AdamW 3e-3, decay 0.05, a Trainer per round: " \
-                            "linear decay)"
+                            "linear decay, max_grad_norm 1.0)"
+    fresh_optimizer_each_round = f"lei-wang-link/FedLEASE client.py: {TRAINER_PER_ROUND}"
     dp_refusal_reason = "its experts are averaged within clusters found from the uploads and each router within " \
                         "its client's cluster, not the one mean DP-FedAvg's noisy sum protects"
 

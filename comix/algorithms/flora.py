@@ -30,7 +30,7 @@ import torch
 
 from ..models import AdapterConfig, LoRAConfig, param_role
 from .base import Algorithm, ClientContext, ClientState, Tensors
-from .fedalt import FEDALT_OPTIMIZER
+from .fedalt import FEDALT_OPTIMIZER, TRAINER_PER_ROUND
 
 FLORA_OPTIMIZER = dict(FEDALT_OPTIMIZER, weight_decay=0.0)  # transformers' AdamW default decay: 0
 STACK = ".lora_stack."  # payload names: <module>.lora_stack.<round>.lora_A|lora_B
@@ -42,7 +42,8 @@ class FLoRA(Algorithm):
     lora_modules = 1
     train_defaults = FLORA_OPTIMIZER
     train_defaults_source = "ATP-1010/FederatedLLM main.py (lr 3e-4; transformers' Trainer per round: AdamW, " \
-                            "no decay, linear schedule)"
+                            "no decay, linear schedule, max_grad_norm 1.0)"
+    fresh_optimizer_each_round = f"ATP-1010/FederatedLLM main.py: {TRAINER_PER_ROUND}, for a LoRA made anew each round"
     dp_refusal_reason = ("its server stacks the uploads instead of summing them, so every client's own LoRA reaches "
                          "every client as it is; a noisy sum would have to be of the dense products B_k A_k, which "
                          "gives up FLoRA's low-rank payload")

@@ -208,6 +208,8 @@ def planned_base_bytes(base: nn.Module) -> dict[str, float]:
     and NF4 storage); embeddings, norms and head as they are."""
     from ..models.inject import transformer_blocks
     linears = [m for b in transformer_blocks(base) for m in b.modules() if type(m) is nn.Linear]
+    if not linears:  # GPT-2's Conv1D blocks: no quantised form (models/quant.py quant_refusal)
+        return {"none": float(base_bytes(base))}
     weights = sum(m.weight.numel() for m in linears)
     rows = sum(m.out_features for m in linears)
     rest = base_bytes(base) - weights * linears[0].weight.element_size()

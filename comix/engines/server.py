@@ -33,6 +33,7 @@ import torch
 from ..algorithms import Algorithm, tensor_bytes
 from ..algorithms.base import Tensors
 from ..files import atomic_write
+from ..fleet import DEADLINE_MISSED
 from ..privacy import GaussianSumNoise, epsilon_after, privacy_record, sampling_of
 from ..tracking import TensorBoardLog
 
@@ -109,20 +110,28 @@ def secure_round(algorithm: Algorithm, transport: Transport, server_state, paylo
     for c in sampled:
         reply = replies.get(c, "no reply")
         down = tensor_bytes(payloads[c])
-        if isinstance(reply, str):
+        if reply == DEADLINE_MISSED:  # the device left the protocol, as the plain path drops its update
+            client_metrics[c] = {"sampled": True, "dropped": "deadline", "bytes_up": 0, "bytes_down": down}
+        elif isinstance(reply, str):
             log.warning("round %d: client %d left out of the secure sum: %s", rnd + 1, c, reply)
             client_metrics[c] = {"sampled": True, "failed": reply, "bytes_up": 0, "bytes_down": down}
         else:
             client_metrics[c] = {"sampled": True, **reply, "bytes_down": down}
+        fleet = algorithm.fleet
+        if fleet and not isinstance(reply, str):
+            client_metrics[c].update(profile=fleet.profile_of(c, len(reference)).name,
+                                     device_s=round(fleet.seconds(c, len(reference), reply.get("tokens", 0)), 3))
+    row = {"round": rnd + 1, "train_s": round(t_train - t0, 4), "secure_sum_of": count}
+    if count == 0 and all("dropped" in client_metrics[c] for c in sampled):  # every device late: as the plain path
+        return server_state, payloads, {**row, "aggregate_s": 0.0, **upload_record({}, seen)}
     if count == 0 or not all(torch.isfinite(t).all() for t in total.values()):
         raise RuntimeError(f"round {rnd + 1}: secure aggregation returned no valid sum ({count} clients)")
     algorithm.aggregation_noise = dp_noise(algorithm, seed, rnd)
     server_state, payloads = algorithm.server_round_of_sum(server_state, total, count)
     algorithm.aggregation_noise = None
     declared = {c: expected[c] for c in sampled if not isinstance(replies.get(c, ""), str)}
-    row = {"round": rnd + 1, "train_s": round(t_train - t0, 4), "aggregate_s": round(time.time() - t_train, 4),
-           "secure_sum_of": count, **upload_record(declared, seen)}
-    return server_state, payloads, row
+    return server_state, payloads, {**row, "aggregate_s": round(time.time() - t_train, 4),
+                                    **upload_record(declared, seen)}
 
 
 def serve(algorithm: Algorithm, transport: Transport, users: list[str], out_dir: Path, seed: int = 42,

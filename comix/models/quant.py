@@ -8,8 +8,9 @@ transformer blocks becomes a bitsandbytes layer, the adapters around it stay as 
     2022), outlier threshold 6.0 (the bitsandbytes / transformers default).
 Embeddings, norms and the LM head stay in the compute dtype (transformers' BitsAndBytesConfig
 skips ``lm_head`` too). Every LoRA, mixture and AMoLE wrapper calls its base linear as a module,
-so adapters, routers and uploads keep their own (fp32 master) precision. GPT-2's ``Conv1D``
-layers have no bitsandbytes form and stay unquantised.
+so adapters, routers and uploads keep their own (fp32 master) precision. GPT-2's blocks hold
+``Conv1D`` layers, which have no bitsandbytes form: ``quant`` is refused for them in one line
+(``quant_refusal``), so that no run names a precision its base does not have.
 
 Why bitsandbytes: the field's library for QLoRA (PEFT's and FlowerTune's templates), with a
 CPU backend since 0.46 (measured here: NF4 and int8 forward and backward on this machine's CPU,
@@ -35,6 +36,20 @@ def check_quant(quant: str) -> str | None:
             _bitsandbytes()
         except ImportError:
             return f"quant={quant} needs bitsandbytes: pip install 'comix[quant]'"
+    return None
+
+
+# model types whose transformer blocks compute with transformers' Conv1D (weight in x out), not
+# nn.Linear: nothing in them for bitsandbytes to quantise
+CONV1D_MODEL_TYPES = ("gpt2",)
+
+
+def quant_refusal(model_type: str, model: str, quants: set[str]) -> str | None:
+    """Why ``model`` (of ``model_type``) cannot have its base at the precisions ``quants``, or None."""
+    asked = sorted(set(quants) - {"none", "auto"})
+    if asked and model_type in CONV1D_MODEL_TYPES:
+        return (f"quant={asked[0]}: model {model} is a GPT-2, whose blocks compute with Conv1D layers that "
+                "bitsandbytes cannot quantise; use quant=none (quant=auto keeps it in full precision)")
     return None
 
 

@@ -32,6 +32,7 @@ from ...specs import build_algorithm, split_spec
 from ...config import load_config
 from ...data import load_corpus, make_user_data
 from ...data.corpora import user_folder
+from ...fleet import DEADLINE_MISSED
 from ...models import load_base_model
 from ...runtime import resolve
 from ..device import Device
@@ -147,6 +148,12 @@ def _secure_train(msg: Message, context: Context) -> Message:
     payload = from_parameters(ins.parameters, json.loads(ins.config["payload"]))
     device = device_for(run, context, r - 1, r)
     upload, metrics = device.train(payload)
+    fleet = device.algorithm.fleet
+    if fleet and fleet.late(device.client, run["n_clients"], metrics.get("tokens", 0)):
+        # past the round's deadline the device misses the masked-vector stage, a SecAgg+ dropout:
+        # the server, which cannot see a masked upload, would otherwise sum it (comix/fleet.py)
+        raise ValueError(f"client {device.client} {DEADLINE_MISSED} "
+                         f"({fleet.seconds(device.client, run['n_clients'], metrics.get('tokens', 0)):.1f} s)")
     problem = secure_upload_problem(upload, device.algorithm.privacy.secagg_clip_range)
     if problem:
         raise ValueError(f"client {device.client} refuses to mask its upload: {problem}")

@@ -21,6 +21,7 @@ from flwr.server.compat.grid_client_proxy import GridClientProxy
 from flwr.server.strategy import Strategy
 from flwr.serverapp import Grid, ServerApp
 
+from ...fleet import DEADLINE_MISSED
 from ...specs import build_algorithm, server_context, spec_dirname
 from ...config import load_config
 from ..server import serve
@@ -128,6 +129,10 @@ class FlowerTransport:
                            timeout=self.timeout)(self.grid, context)
         replies: dict[int, dict | str] = {c: "no masked vector in the sum (dropped out, late or refused)"
                                           for c in payloads}
+        for c in payloads:  # a device that said why it left (its deadline, a refused upload)
+            said = [f for f in strategy.failures if f"client {c} " in f]
+            if said and c not in strategy.replies:
+                replies[c] = DEADLINE_MISSED if DEADLINE_MISSED in said[0] else said[0][:200]
         for c, info in strategy.replies.items():
             listing = [[n, list(t.shape)] for n, t in sorted(expected[c].items())]
             if info["listing"] != listing:
@@ -173,7 +178,7 @@ class _SecureSum(Strategy):
 
     def __init__(self, fitins: dict, grid: Grid):
         self.fitins, self.grid = fitins, grid   # node id -> (client, FitIns)
-        self.mean, self.replies = None, {}
+        self.mean, self.replies, self.failures = None, {}, []
 
     def configure_fit(self, server_round, parameters, client_manager):
         return [(GridClientProxy(node, self.grid, 0), ins) for node, (_, ins) in self.fitins.items()]
@@ -182,6 +187,7 @@ class _SecureSum(Strategy):
         for proxy, res in results:
             self.mean = res.parameters
             self.replies[self.fitins[proxy.node_id][0]] = json.loads(res.metrics["json"])
+        self.failures = [str(f) for f in failures]  # the devices' own reasons, each naming its client
         return None, {}
 
     def initialize_parameters(self, client_manager):
