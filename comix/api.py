@@ -174,7 +174,7 @@ def _report(run_dir: Path, console) -> None:
     from .reporting import write_report
     try:
         page, _ = write_report(run_dir, routing=False)
-        console.print(f"report: {page} (with token routing maps: comix report {run_dir})")
+        console.print(f"report: {page} (without token routing maps; to add them: comix report {run_dir})")
     except Exception as err:  # noqa: BLE001  (the results are written; the page is a view of them)
         console.print(f"report not written ({type(err).__name__}: {str(err).splitlines()[0][:120]}); "
                       f"try: comix report {run_dir}")

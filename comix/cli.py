@@ -2,6 +2,7 @@
 
   comix run [CONFIG] [key=value ...]     run every method of the config (default: the main job)
   comix run --resume RUN_DIR             continue a killed run where it stopped
+  comix recipes                          the built-in recipes (comix run small/table1-multilingual)
   comix compare [CONFIG] --methods M.. --seeds S..   a resumable grid with tables and curves
   comix ppl [--model M] [--corpus C ...] pretrained perplexity on the built-in test splits
   comix data [CORPUS] [key=value ...]    token counts per user and split (CoMiGS Table 4)
@@ -174,34 +175,30 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def config_help() -> str:
-    """Methods and every config key with its default (for `comix run --help`)."""
-    import dataclasses
-    import textwrap
+def cmd_recipes(args) -> int:
+    from .recipes import builtin_recipes
+    recipes = builtin_recipes()
+    width = max(len(name) for name, _ in recipes)
+    for name, first in recipes:
+        print(f"{name.ljust(width)}  {first[:110 - width]}")
+    print(f"\n{len(recipes)} recipes; run one from any directory: comix run <name> [key=value ...]")
+    return 0
 
-    from .algorithms import METHODS
-    from .config import RunConfig
 
-    from .data.sources import corpus_names
-    from .models.base import OFFLINE, TINY
+def unknown_key(overrides: list[str]) -> str | None:
+    """The first ``key=value`` whose key no config has, in load_config's words (cli_help.json:
+    answered before torch is imported)."""
+    import difflib
 
-    lines = [textwrap.fill(f"models (model=...): {', '.join(OFFLINE)} (offline, the default), {', '.join(TINY)} "
-                           "(tiny random models for tests and quick tries), any Hugging Face hub id or local model "
-                           "folder", 96, subsequent_indent="  "),
-             textwrap.fill(f"corpora (corpus=...): {corpus_names()}", 96, subsequent_indent="  "), "",
-             "methods (methods=[a,b] or a spec such as hetlora:reg=0.05):",
-             textwrap.fill(", ".join(METHODS), 96, initial_indent="  ", subsequent_indent="  "),
-             "", "config keys (key=value; sections take section.key=value):"]
-    cfg = RunConfig()
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(value):
-            items = ", ".join(f"{g.name}={getattr(value, g.name)!r}" for g in dataclasses.fields(value))
-            lines.append(textwrap.fill(f"{f.name}: {items}", 96, initial_indent="  ", subsequent_indent="      "))
-        else:
-            lines.append(f"  {f.name}={value!r}")
-    lines += ["", "the defaults above are the main job; README.md and configs/ have recipes"]
-    return "\n".join(lines)
+    from .cli_help import config_keys
+    keys = config_keys()
+    for item in overrides:
+        key = item.split("=", 1)[0].strip()
+        if "=" in item and key not in keys:
+            close = difflib.get_close_matches(key, sorted(keys), n=1)
+            return f"unknown config key {key!r}" + (f" (did you mean {close[0]}?)" if close else
+                                                     " (comix run --help lists every key)")
+    return None
 
 
 def _resume_hint(args) -> str:
@@ -222,7 +219,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="comix", description="Collaborative fine-tuning with mixtures of LoRA experts")
     ap.add_argument("--version", action="version", version=f"comix {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="run a config's methods (no config: the main job)", epilog=config_help(),
+    from .cli_help import render
+    r = sub.add_parser("run", help="run a config's methods (no config: the main job)", epilog=render(),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("config", nargs="?", help="YAML recipe (see configs/)")
     r.add_argument("overrides", nargs="*", help="key=value, e.g. train.rounds=2 methods=[local]")
@@ -280,6 +278,7 @@ def main(argv=None) -> int:
                         "expert scores, token routing, traffic, privacy)")
     rp.add_argument("dir", help="a run, compare or method folder")
     rp.add_argument("--no-routing", action="store_true", help="skip the token routing maps (they rebuild each user model)")
+    sub.add_parser("recipes", help="the built-in recipes (comix run <name> runs one from any directory)")
     g = sub.add_parser("generate", help="a greedy completion from an exported model")
     g.add_argument("dir", help="a `comix export` folder, a PEFT LoRA folder or a (merged) model folder")
     g.add_argument("prompt")
@@ -297,11 +296,14 @@ def main(argv=None) -> int:
         if bad:
             ap.error(f"argument --seeds: invalid int value: {bad[0]!r}")
         args.seeds = [int(s) for s in args.seeds] if args.seeds else None
+    if args.cmd in ("run", "compare", "data") and unknown_key(args.overrides):
+        print(f"comix: error: {unknown_key(args.overrides)}", file=sys.stderr)
+        return 2
     try:
         return {"run": cmd_run, "compare": cmd_compare, "ppl": cmd_ppl, "data": cmd_data,
                 "flower-demo": cmd_flower_demo, "flower-certs": cmd_flower_certs,
                 "flower-key": cmd_flower_key, "export": cmd_export, "generate": cmd_generate,
-                "report": cmd_report}[args.cmd](args)
+                "report": cmd_report, "recipes": cmd_recipes}[args.cmd](args)
     except (ValueError, FileNotFoundError) as err:
         print(f"comix: error: {err}" + _resume_hint(args), file=sys.stderr)
         return 2

@@ -18,6 +18,7 @@ from .algorithms import METHODS, REGISTRY, TrainConfig, section_of
 from .data import SplitConfig
 from .models import LoRAConfig
 from .privacy import PrivacyConfig
+from .recipes import RECIPES, ConfigFileMissing, recipe_path  # noqa: F401 (RECIPES: the built-in recipes)
 
 
 class ConfigError(ValueError):
@@ -27,7 +28,7 @@ class ConfigError(ValueError):
 @dataclass
 class ComigsConfig:
     experts: int | list[int] = 2      # per-user list for comigs-1gxs, e.g. [2, 2, 4, 4]
-    top_k: int = 2
+    top_k: int = 2                    # experts each token is routed to
     share_router: bool = False        # average the routers too (FedAvg-MoE's "all" strategy)
 
 
@@ -57,11 +58,12 @@ def _main_job_data() -> SplitConfig:
 
 @dataclass
 class RunConfig:
-    model: str = "smollm2-135m"
+    model: str = "smollm2-135m"        # smollm2-135m (offline default), gemma3-270m, a tiny-* model, a hub id or folder
     dropout: float = 0.0               # base-model dropout, every architecture (paper: nanoGPT's 0)
-    corpus: str = "multilingual"
+    corpus: str = "multilingual"       # a built-in corpus or instruction set, a folder of user files, a hub dataset
+    # method specs to run, e.g. [local, fedavg, 'hetlora:reg=0.05']
     methods: list[str] = field(default_factory=lambda: ["pretrained", "local", "fedavg", "comigs-1g1s"])
-    seed: int = 42
+    seed: int = 42                     # training seed (initial adapters, batches, sampling)
     seeds: list[int] = field(default_factory=list)  # `comix compare`: the seeds of the grid (default [seed])
     run_dir: str = ""                  # default: runs/<corpus>-<timestamp>
     threads: int = 0                   # torch threads; 0 = torch's default
@@ -273,12 +275,15 @@ def method_list(text: str) -> list[str]:
 
 
 def load_config(path: str | None = None, overrides: list[str] = (), text: str | None = None) -> RunConfig:
-    """A validated RunConfig from a YAML file (or YAML ``text``, e.g. sent to a Flower device)."""
+    """A validated RunConfig from a YAML file or a built-in recipe's name (or YAML ``text``, e.g.
+    sent to a Flower device)."""
     cfg, explicit = RunConfig(), set()
     if path or text is not None:
         if text is None:
-            if not Path(path).exists():
-                raise ConfigError(f"config file {path} does not exist")
+            try:
+                path = str(recipe_path(path))
+            except ConfigFileMissing as err:
+                raise ConfigError(str(err)) from None
             text = Path(path).read_text()
         where = f"config file {path}" if path else "config text"
         try:

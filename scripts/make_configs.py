@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1] / "configs"
+ROOT = Path(__file__).resolve().parents[1] / "comix" / "recipes"  # configs/ links here
 SCALES = {
     "paper": dict(data={}, train=dict(rounds=20, local_steps=10, batch_size=64, seq_len=128, lr=0.002,
                                       router_lr=0.002, tau=30, router_steps=10, lb_weight=0.01, eval_every=1)),

@@ -88,7 +88,7 @@ def test_version_and_run_help_lists_methods_and_keys(capsys):
     with pytest.raises(SystemExit):
         main(["run", "--help"])
     out = capsys.readouterr().out
-    assert "comigs-1g1s" in out and "fedavg-moe" in out and "train: rounds=" in out and "dropout=" in out
+    assert "comigs-1g1s" in out and "fedavg-moe" in out and "train.rounds=3" in out and "dropout=" in out
 
 
 def test_ctrl_c_names_the_resume_command(tmp_path, capsys, monkeypatch):

@@ -51,18 +51,18 @@ class TrainConfig:
     load-balance loss n * sum_j f_j P_j = 2 is a constant with zero gradient: it changes
     nothing for 1G1S / 2G / 2S / pFedMoE (and Table 6's n = 2 rows are equal by construction).
     """
-    rounds: int = 20
+    rounds: int = 20                # communication rounds
     local_steps: int = 10           # expert iterations per round (paper App. B.1)
-    batch_size: int = 64
-    seq_len: int = 128
+    batch_size: int = 64            # sequences per local step
+    seq_len: int = 128              # tokens per training window (instruction examples: data.max_len)
     lr: float = 2e-3                # expert lr: cosine from lr to lr * min_lr_ratio
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = 0.1       # the cosine schedule's floor, as a share of lr
     schedule: str = "cosine"        # cosine | round_decay (lr * lr_decay ** round: FedAMoLE) | round_linear
                                     # (lr to 0 linearly within each round: a Trainer per round, FLoRA / FedALT)
-    lr_decay: float = 0.99
+    lr_decay: float = 0.99          # round_decay's factor per round
     warmup_frac: float = 0.0        # share of the schedule spent in linear warm-up (authors: none)
-    weight_decay: float = 0.01
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    weight_decay: float = 0.01      # AdamW's decoupled weight decay
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW's moment decays
     optimizer_state: str = "run"    # run (moments kept across rounds: CoMiGS) | round (fresh each round: FedAMoLE)
     grad_clip: float = 0.0          # max gradient norm; 0 = no clipping
     router_lr: float = 2e-3         # constant (App. B.1)
@@ -71,12 +71,12 @@ class TrainConfig:
     lb_weight: float = 0.01         # lambda in eq. 7-8
     load_balance: str = "uniform"   # none | uniform | generalist (eq. 10)
     clients_per_round: int = 0      # clients sampled each round; 0 = client_fraction of them
-    client_fraction: float = 1.0    # (1.0: full participation, as in the papers)
+    client_fraction: float = 1.0    # share of the clients sampled (1.0: full participation, as in the papers)
     client_sampling: str = "fixed"  # fixed (that many, without replacement) | poisson (each client with
                                     # probability client_fraction: DP-FedAvg's sampling, McMahan et al. 2018)
     eval_every: int = 1             # evaluate valid/test perplexity every k rounds (and the last)
-    eval_batch_size: int = 8
-    eval_splits: list[str] = field(default_factory=lambda: ["valid", "test"])
+    eval_batch_size: int = 8        # windows per evaluation forward
+    eval_splits: list[str] = field(default_factory=lambda: ["valid", "test"])  # splits scored (valid and/or test)
     max_new_tokens: int = 128       # generation tasks: greedy answer length cap (FedAMoLE's evaluator)
     rouge: str = "rouge"            # Rouge-L of generations: rouge (the authors' package) | rouge-score (eval/tasks.py)
     tensorboard: bool = False       # also TensorBoard event files per method and user (comix/tracking.py)

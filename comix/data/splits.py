@@ -36,8 +36,8 @@ from .partition import dirichlet_mixtures
 @dataclass
 class SplitConfig:
     mode: str = "in"                      # "in" | "ood"
-    valid_frac: float = 0.1
-    test_frac: float = 0.1
+    valid_frac: float = 0.1                # share of each category's documents held out for validation
+    test_frac: float = 0.1                 # and for test
     train_tokens: list[int] | None = None  # per-user training-token budget (quantity skew)
     valid_tokens: int | None = None        # cap per user (the router's validation set is small)
     test_tokens: int | None = None         # cap per user; perplexity runs over the whole capped split
@@ -57,7 +57,7 @@ class SplitConfig:
     # the server's public data from another corpus (its ``public_categories``, default all), e.g.
     # text of none of the test domains, instead of the test domains' public_frac share
     public_corpus: str = ""
-    public_categories: list[str] | None = None
+    public_categories: list[str] | None = None  # that corpus's categories to use (default: all)
     # DeepFusion Table II: the server's test questions ("...\nAnswer: ...") whose generated answers
     # are scored token by token against the reference, at most this many per domain
     answer_examples: int = 50

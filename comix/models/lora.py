@@ -16,9 +16,9 @@ from transformers.pytorch_utils import Conv1D
 
 @dataclass
 class LoRAConfig:
-    r: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
+    r: int = 8                  # rank
+    alpha: float = 16.0         # scaling numerator (alpha / sqrt(r), or alpha / r without rslora)
+    dropout: float = 0.0        # dropout on the LoRA input
     # "2x LoRA modules" (CoMiGS Sec. 4.2): m summed rank-r modules == one rank m*r module with
     # the rank-r scaling, so `modules` multiplies the rank but not the scaling's sqrt(r).
     modules: int = 1
