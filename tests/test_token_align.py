@@ -247,3 +247,60 @@ def test_sentencepiece_word_initial_tokens_keep_their_space_and_map_to_the_stude
     mapping = VocabMapping(teacher, student)
     assert s_text[mapping(teacher.convert_tokens_to_ids("▁hello"))] == " hello"
     assert s_text[mapping(teacher.convert_tokens_to_ids("hello"))] == "hello"
+
+
+def test_each_tokenizer_s_own_bos_and_eos_cross_the_family_boundary():
+    """The student's EOS between documents reaches a Llama-2-style teacher as its EOS id, never as
+    the text '<eos>' (read as <unk> pieces); the teacher gets its BOS in front of every window, as
+    its convention starts a sequence; a device of that family trains on the same translation."""
+    from comix.models.token_align import translate
+    student, teacher = byte_tokenizer(), llama2_tokenizer("first")
+    eos = student.eos_token_id
+    ids = student("hello world", add_special_tokens=False).input_ids + [eos] + \
+        student("world hello", add_special_tokens=False).input_ids
+    out = translate(ids, student, teacher)
+    assert teacher.eos_token_id in out and teacher.unk_token_id not in out
+    assert out.count(teacher.eos_token_id) == 1 and teacher.decode(out, skip_special_tokens=True).replace(" ", "") \
+        == "helloworldworldhello"
+    own = retokenize(torch.tensor(ids), student, teacher, chunk=7)  # the chunk boundary falls inside a word
+    assert teacher.eos_token_id in own.tolist() and teacher.unk_token_id not in own.tolist()
+    x, y = torch.tensor([ids[:-1]]), torch.tensor([ids[1:]])
+    aligner = CrossTokenizerTeacher(teacher, student, top_k=2)
+    tx, mask, rows = aligner.teacher_inputs(x, y)
+    assert rows[0][0] == teacher.bos_token_id and rows[0][1:] == out and tx[0, 0] == teacher.bos_token_id
+    # a student without BOS (byte-level, SmolLM2) reading a Llama-2 device's stream gets none
+    back = translate([teacher.bos_token_id, *out], teacher, student)
+    assert back == ids or student.decode(back) == student.decode(ids)
+    assert VocabMapping(teacher, student)(teacher.eos_token_id) == eos  # EOS maps onto EOS
+
+
+def _byte_tokenizer_with_bos():
+    """The byte tokenizer's vocabulary plus a BOS its post-processor puts first (Llama-2's convention)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["<eos>"], vocab["<s>"] = 256, 257
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 257)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<eos>", pad_token="<eos>")
+
+
+def test_targets_read_the_teacher_step_that_predicts_the_same_token_after_its_bos():
+    """A teacher that reads the same bytes after a BOS: student step i (predicting window token
+    i + 1) takes the teacher's step at row position i + 1 (BOS at 0), one-to-one everywhere."""
+    student, teacher = byte_tokenizer(), _byte_tokenizer_with_bos()
+    ids = student("the cat sat", add_special_tokens=False).input_ids
+    x, y = torch.tensor([ids[:-1]]), torch.tensor([ids[1:]])
+    aligner = CrossTokenizerTeacher(teacher, student, top_k=3)
+    tx, _, rows = aligner.teacher_inputs(x, y)
+    assert rows[0] == [257, *ids]
+    torch.manual_seed(0)
+    logits = torch.randn(1, tx.shape[1], len(teacher))
+    dist, share = aligner.targets(x, y, logits, rows, vocab=258)
+    assert share == 1.0
+    for i in range(y.shape[1]):
+        top, idx = logits[0, i + 1].topk(3)
+        want = torch.zeros(258).scatter_add_(0, aligner.mapping.many(idx), F.softmax(top, -1))
+        assert torch.allclose(dist[0, i], want, atol=1e-6), i

@@ -19,6 +19,11 @@
    student's vocabulary through the mapping, are the target; everywhere else the target is
    one-hot on the student's own token (their "one-hot logits" fallback).
 
+Special tokens are each tokenizer's own (``translate``): the student's EOS between documents
+becomes the teacher's EOS (never its text, which a Llama-2-style tokenizer would read as
+``<unk> e o <unk>``), and a teacher whose convention starts a sequence with BOS (Llama-2, Gemma)
+gets its BOS in front of every window it reads; teacher and student EOS map onto each other.
+
 Documented choices where this differs from the authors' code:
 - A token's string is the text it stands for (its tokenizer's decoder applied to it alone:
   byte-level tokens through the byte table, SentencePiece's '▁' as a space) instead of one word
@@ -38,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from ..runtime import to_cpu
+from ..tokens import leading_special_ids
 
 TOP_K = 10  # FuseLLM's --top_k_logits and FedMKT's top_k_logits_keep default
 
@@ -135,7 +141,8 @@ class VocabMapping:
         self.student_id: dict[str, int] = {}
         for i, t in enumerate(self.student_text):
             self.student_id.setdefault(t, i)
-        self._cache: dict[int, int] = {}
+        # special tokens stand for no text: each maps to the student's token of the same role
+        self._cache: dict[int, int] = {t: s for t, s in special_pairs(teacher_tokenizer, student_tokenizer).items()}
 
     def text_of(self, teacher_id: int) -> str:
         """A teacher token's text; ids past its tokenizer (a padded embedding) have none."""
@@ -163,13 +170,41 @@ def vocab_mapping(teacher_tokenizer, student_tokenizer) -> VocabMapping:
     return VocabMapping(teacher_tokenizer, student_tokenizer)
 
 
+def special_pairs(source_tokenizer, target_tokenizer) -> dict[int, int]:
+    """Source special token id -> the target's token of the same role (EOS, BOS, pad), where the
+    target has one."""
+    out = {}
+    for role in ("pad_token_id", "bos_token_id", "eos_token_id"):  # later roles win a shared id (EOS = pad)
+        s, t = getattr(source_tokenizer, role, None), getattr(target_tokenizer, role, None)
+        if s is not None and t is not None:
+            out[s] = t
+    return out
+
+
+def translate(ids: list[int], source_tokenizer, target_tokenizer) -> list[int]:
+    """``source_tokenizer``'s ids as ``target_tokenizer`` reads the same text: the text between
+    special tokens decoded and re-encoded, each special token the target's of the same role
+    (dropped where the target has none)."""
+    specials, pairs = set(source_tokenizer.all_special_ids), special_pairs(source_tokenizer, target_tokenizer)
+    out, run = [], []
+    for i in [*ids, None]:
+        if i is not None and i not in specials:
+            run.append(i)
+            continue
+        if run:
+            out.extend(target_tokenizer(source_tokenizer.decode(run), add_special_tokens=False).input_ids)
+            run = []
+        if i is not None and i in pairs:
+            out.append(pairs[i])
+    return out
+
+
 def retokenize(tokens: torch.Tensor, source_tokenizer, target_tokenizer, chunk: int = 2048) -> torch.Tensor:
-    """A token stream of ``source_tokenizer`` as ``target_tokenizer`` reads its text: decoded and
-    re-encoded in chunks of ``chunk`` tokens (a word cut at a chunk boundary is read as two)."""
+    """A token stream of ``source_tokenizer`` as ``target_tokenizer`` reads its text (``translate``)
+    in chunks of ``chunk`` tokens (a word cut at a chunk boundary is read as two)."""
     out = []
     for s in range(0, len(tokens), chunk):
-        text = source_tokenizer.decode(tokens[s:s + chunk].tolist())
-        out.extend(target_tokenizer(text, add_special_tokens=False).input_ids)
+        out.extend(translate(tokens[s:s + chunk].tolist(), source_tokenizer, target_tokenizer))
     return torch.tensor(out, dtype=torch.int32)
 
 
@@ -180,18 +215,19 @@ class CrossTokenizerTeacher:
     def __init__(self, teacher_tokenizer, student_tokenizer, top_k: int = TOP_K):
         self.teacher_tok, self.student_tok, self.top_k = teacher_tokenizer, student_tokenizer, top_k
         self.mapping = vocab_mapping(teacher_tokenizer, student_tokenizer)
+        self.lead = leading_special_ids(teacher_tokenizer)  # its BOS where its convention puts one
         pad = teacher_tokenizer.pad_token_id
         self.pad = pad if pad is not None else (teacher_tokenizer.eos_token_id or 0)
 
     def teacher_inputs(self, x: torch.Tensor, y: torch.Tensor):
         """The student's windows (inputs ``x``, next tokens ``y``, (B, T)) as the teacher reads
-        them: (inputs (B, T'), attention mask (B, T'), each row's whole window of teacher tokens),
-        right-padded."""
+        them, after its leading BOS where it uses one: (inputs (B, T'), attention mask (B, T'),
+        each row's whole window of teacher tokens), right-padded."""
         if (y < 0).any():
             raise ValueError("cross-tokenizer distillation reads whole token windows (no masked targets)")
         rows = []
         for xi, yi in zip(x.tolist(), y.tolist()):
-            ids = self.teacher_tok(self.student_tok.decode(xi + yi[-1:]), add_special_tokens=False).input_ids
+            ids = self.lead + translate(xi + yi[-1:], self.student_tok, self.teacher_tok)
             rows.append(ids if len(ids) >= 2 else ids + [self.pad] * (2 - len(ids)))
         width = max(len(r) for r in rows) - 1
         inputs = torch.full((len(rows), width), self.pad, dtype=torch.long)
@@ -217,9 +253,11 @@ class CrossTokenizerTeacher:
         top_p, top_ids = to_cpu(F.softmax(top_logits / temperature, -1)), to_cpu(top_ids)
         aligned = 0
         for r in range(b):
-            # the whole windows are aligned (both start at the text's first character); student
-            # step i predicts its window's token i + 1, teacher step j its token j + 1
-            s_all, t_all = x[r].tolist() + y[r, -1:].tolist(), teacher_rows[r]
+            # the whole windows are aligned (both start at the text's first character; the
+            # teacher's BOS before it is left out); student step i predicts its window's token
+            # i + 1, the teacher's step at row position lead + j - 1 its window's token j
+            lead = len(self.lead)
+            s_all, t_all = x[r].tolist() + y[r, -1:].tolist(), teacher_rows[r][lead:]
             to_teacher = dtw_alignment([self.mapping.text_of(i) for i in t_all], [s_text[i] for i in s_all])
             takers = [0] * len(t_all)
             for js in to_teacher:
@@ -227,9 +265,9 @@ class CrossTokenizerTeacher:
                     takers[j] += 1
             for i in range(t):
                 js = to_teacher[i + 1]
-                if len(js) != 1 or js[0] == 0 or takers[js[0]] != 1:  # one-to-one only
+                if len(js) != 1 or js[0] + lead == 0 or takers[js[0]] != 1:  # one-to-one only
                     continue
-                j, target = js[0] - 1, t_all[js[0]]
+                j, target = js[0] + lead - 1, t_all[js[0]]
                 if s_text[s_all[i + 1]] != self.mapping.text_of(target) and self.mapping(target) != s_all[i + 1]:
                     continue
                 idx[r, i] = self.mapping.many(top_ids[r, j])
