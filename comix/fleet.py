@@ -148,15 +148,20 @@ def plan(fleet: Fleet, needs: list[dict[Setting, float]], quant: str | list[str]
         fits = [s for s in order if need[s] <= p.memory_mb]
         if not fits:
             raise ValueError(f"fleet: nothing fits device {c} ({p.name}, {p.memory_mb:g} MB) for {method}: it needs "
-                             + ", ".join(f"{v:.0f} MB with {_shown(s)}" for s, v in need.items()))
+                             + ", ".join(f"{megabytes(v)} with {_shown(s)}" for s, v in need.items()))
         asked = [s for s in fits if want_q in ("auto", s[0]) and want_m in ("auto", s[1])]
         if not asked:
             wanted = next(s for s in order if want_q in ("auto", s[0]) and want_m in ("auto", s[1]))
             raise ValueError(f"fleet: device {c} ({p.name}, {p.memory_mb:g} MB) cannot train {method} with "
-                             f"{_shown(wanted)} ({need[wanted]:.0f} MB); {_shown(fits[0])} fits it "
-                             f"({need[fits[0]]:.0f} MB), quant=auto / micro_batches=auto pick per device")
+                             f"{_shown(wanted)} ({megabytes(need[wanted])}); {_shown(fits[0])} fits it "
+                             f"({megabytes(need[fits[0]])}), quant=auto / micro_batches=auto pick per device")
         out.append(asked[0])
     return tuple(out)
+
+
+def megabytes(mb: float) -> str:
+    """A memory figure as it reads: one decimal below 10 MB (a tiny model's 0.4 MB is not "0 MB")."""
+    return f"{mb:.1f} MB" if mb < 10 else f"{mb:.0f} MB"
 
 
 def _shown(setting: Setting) -> str:

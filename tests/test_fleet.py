@@ -256,3 +256,11 @@ def test_a_gpt2_base_refuses_a_quantised_base_in_one_line_and_trains_in_a_fleet(
     assert main(["run", *gpt2, "train.rounds=1", f"fleet={fleet}", "quant=auto", f"run_dir={tmp_path / 'f'}"]) == 0
     rows = [json.loads(x) for x in (tmp_path / "f" / "fedavg" / "metrics.jsonl").read_text().splitlines()]
     assert {r.get("quant") for r in rows if "quant" in r} == {"none"}
+
+
+def test_memory_figures_read_with_a_decimal_where_small():
+    from comix.fleet import Fleet, DeviceProfile, megabytes, plan
+    assert megabytes(0.42) == "0.4 MB" and megabytes(917.4) == "917 MB"
+    fleet = Fleet([DeviceProfile("tiny", 1.0, memory_mb=0.1, tokens_per_s=1)])
+    with pytest.raises(ValueError, match=r"0\.4 MB with quant=none"):
+        plan(fleet, [{("none", 1): 0.42}], "none", "fedavg")

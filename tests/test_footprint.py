@@ -60,3 +60,19 @@ def test_the_report_shows_what_each_device_spent(tmp_path):
     assert "| fedavg | de | none, 2 slices |" in section and "| comigs-1g1s | nl | none |" in section
     assert "devices.png" in images
     assert not page.overlaps
+
+
+def test_the_planned_base_counts_the_run_s_bytes_per_weight():
+    """A bf16 run stores its full-precision base in 2 bytes a weight: the fleet's plan must count
+    2, not fp32's 4 (devices were quantised more than they needed)."""
+    import torch
+
+    from comix.engines.device import planned_base_bytes
+    from comix.models import load_base_model
+    from comix.models.quant import base_bytes
+    model, _ = load_base_model("tiny-llama")
+    fp32 = planned_base_bytes(model)
+    assert fp32["none"] == base_bytes(model)
+    half = planned_base_bytes(model.to(torch.bfloat16))
+    assert half["none"] == base_bytes(model) and half["none"] < 0.6 * fp32["none"]
+    assert half["nf4"] < half["int8"] < half["none"]

@@ -203,17 +203,18 @@ class Footprint:
 
 
 def planned_base_bytes(base: nn.Module) -> dict[str, float]:
-    """The frozen base's bytes as a device stores it at each precision: its block linears at 4
-    bytes, 1 byte + a scale per row, or half a byte + a scale per block of 64 (bitsandbytes' int8
-    and NF4 storage); embeddings, norms and head as they are."""
+    """The frozen base's bytes as a device stores it at each precision: its block linears in the
+    run's dtype (4 bytes fp32, 2 bf16 / fp16), 1 byte + a scale per row, or half a byte + a scale
+    per block of 64 (bitsandbytes' int8 and NF4 storage); embeddings, norms and head as they are."""
     from ..models.inject import transformer_blocks
     linears = [m for b in transformer_blocks(base) for m in b.modules() if type(m) is nn.Linear]
     if not linears:  # GPT-2's Conv1D blocks: no quantised form (models/quant.py quant_refusal)
         return {"none": float(base_bytes(base))}
     weights = sum(m.weight.numel() for m in linears)
     rows = sum(m.out_features for m in linears)
-    rest = base_bytes(base) - weights * linears[0].weight.element_size()
-    return {"none": rest + weights * 4, "int8": rest + weights + rows * 4, "nf4": rest + weights / 2 + weights / 64}
+    size = linears[0].weight.element_size()
+    rest = base_bytes(base) - weights * size
+    return {"none": rest + weights * size, "int8": rest + weights + rows * 4, "nf4": rest + weights / 2 + weights / 64}
 
 
 def training_memory(base: nn.Module, algorithm: Algorithm, user: UserData, client: int = 0,
