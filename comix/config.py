@@ -130,6 +130,9 @@ class RunConfig:
         if t.clients_per_round < 0 or not 0 < t.client_fraction <= 1:
             raise ConfigError(f"train.clients_per_round must be >= 0 and train.client_fraction in (0, 1], "
                               f"got {t.clients_per_round} and {t.client_fraction}")
+        if not isinstance(t.eval_clients, int) or t.eval_clients < 0:
+            raise ConfigError(f"train.eval_clients must be >= 0 (0: every client every evaluated round), "
+                              f"got {t.eval_clients}")
         if t.router_steps < 0:
             raise ConfigError(f"train.router_steps must be >= 0, got {t.router_steps}")
         from .eval.tasks import ROUGE

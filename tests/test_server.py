@@ -66,3 +66,28 @@ def test_bad_replies_are_rejected_and_the_rest_aggregated(setup, tmp_path, fault
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert reason in rows[1]["failed"] and rows[1]["bytes_up"] == 0 and "failed" not in rows[4]
     assert "client 1 left out" in caplog.text
+
+
+def test_eval_clients_scores_a_seeded_sample_between_full_rounds_without_changing_any_score(tmp_path):
+    """train.eval_clients=1: rounds before the last score one client, drawn from (seed, round);
+    the last round scores all; a sampled client's score equals a full evaluation's (scoring
+    changes no state)."""
+    import json
+
+    from comix.cli import main
+    from comix.engines.server import eval_sample
+    common = ["model=tiny-llama", "methods=[fedavg]", "train.rounds=3", "train.local_steps=2", "train.batch_size=2",
+              "train.seq_len=32", "train.eval_every=1", "data.valid_tokens=512", "data.test_tokens=256"]
+    for name, extra in (("all", []), ("sample", ["train.eval_clients=1"])):
+        assert main(["run", *common, *extra, f"run_dir={tmp_path / name}"]) == 0
+    rows = {name: [json.loads(x) for x in (tmp_path / name / "fedavg" / "metrics.jsonl").read_text().splitlines()]
+            for name in ("all", "sample")}
+    users = sorted({r["user"] for r in rows["all"]})
+    scored = {rnd: sorted(r["user"] for r in rows["sample"] if r["round"] == rnd and "test_ppl" in r) for rnd in (1, 2, 3)}
+    assert [len(scored[r]) for r in (1, 2, 3)] == [1, 1, len(users)]
+    from comix.config import load_config
+    train = load_config(None, [*common, "train.eval_clients=1"]).train
+    assert all(scored[r] == [users[c] for c in eval_sample(len(users), train, 42, r)] for r in (1, 2))
+    full = {(r["round"], r["user"]): r["test_ppl"] for r in rows["all"]}
+    assert all(r["test_ppl"] == full[r["round"], r["user"]] for r in rows["sample"] if "test_ppl" in r)
+    assert len({tuple(eval_sample(len(users), train, s, 1)) for s in range(20)}) > 1  # the draw varies

@@ -75,6 +75,7 @@ class TrainConfig:
     client_sampling: str = "fixed"  # fixed (that many, without replacement) | poisson (each client with
                                     # probability client_fraction: DP-FedAvg's sampling, McMahan et al. 2018)
     eval_every: int = 1             # evaluate valid/test perplexity every k rounds (and the last)
+    eval_clients: int = 0           # > 0: rounds before the last score a seeded sample of this many clients
     eval_batch_size: int = 8        # windows per evaluation forward
     eval_splits: list[str] = field(default_factory=lambda: ["valid", "test"])  # splits scored (valid and/or test)
     max_new_tokens: int = 128       # generation tasks: greedy answer length cap (FedAMoLE's evaluator)

@@ -206,11 +206,13 @@ class InProcess:
             self.devices[c].finish(p)
 
     def evaluate(self, payloads) -> dict[str, dict]:
+        """Every client in ``payloads`` scores the model it holds (a pooled model: every user)."""
         self._rounds(self.round, self.round)
+        if self.pooled:
+            return {u.name: self.devices[0].evaluate(payloads[0], u) for u in self.users}
         if self.cohort > 1:
             return self._evaluate_cohorts(payloads)
-        return {u.name: self.devices[0 if self.pooled else i].evaluate(payloads[0 if self.pooled else i], u)
-                for i, u in enumerate(self.users)}
+        return {self.users[c].name: self.devices[c].evaluate(payloads[c], self.users[c]) for c in sorted(payloads)}
 
     def _evaluate_cohorts(self, payloads) -> dict[str, dict]:
         """Each client's personal model scored as ``Device.evaluate`` scores it, a cohort of them
@@ -218,7 +220,7 @@ class InProcess:
         tasks) is scored one client at a time."""
         results = {}
         groups: dict = {}
-        for c in range(len(self.users)):
+        for c in sorted(payloads):
             groups.setdefault(id(self.devices[c].model), []).append(c)
         a, rt = self.algorithm, self.runtime
         for clients in groups.values():
@@ -239,7 +241,7 @@ class InProcess:
                 seconds = (time.perf_counter() - t0) / len(part)  # the cohort's wall time, shared
                 for c, metrics in zip(part, scored):
                     results[self.users[c].name] = {**metrics, "eval_s": round(seconds, 4)}
-        return {u.name: results[u.name] for u in self.users}
+        return {u.name: results[u.name] for u in self.users if u.name in results}
 
     def snapshot(self):
         """What resume needs of the clients: in memory, their states; offloaded, the round (each

@@ -67,6 +67,15 @@ def sample_clients(n_clients: int, train, seed: int, rnd: int) -> list[int]:
     return sorted(random.Random(f"{seed}:{rnd}").sample(range(n_clients), k))
 
 
+def eval_sample(n_clients: int, train, seed: int, rnd: int) -> list[int]:
+    """The clients that score the model they hold in round ``rnd``: all of them in the last round
+    (MTAL and the results are every client's), else a sample of ``train.eval_clients`` drawn from
+    (seed, round) when it is set; the same on every engine."""
+    if not train.eval_clients or train.eval_clients >= n_clients or rnd == train.rounds:
+        return list(range(n_clients))
+    return sorted(random.Random(f"{seed}:{rnd}:eval").sample(range(n_clients), train.eval_clients))
+
+
 def upload_record(uploads: dict[int, Tensors], seen: set) -> dict:
     """What left each client this round for privacy.md: ``uploads`` {client: {"sig", "bytes"}},
     where a signature names the exact list of (tensor, shape, dtype), and ``signatures`` with the
@@ -236,7 +245,8 @@ def serve(algorithm: Algorithm, transport: Transport, users: list[str], out_dir:
             # otherwise every client evaluates the model it holds
             evaluation = algorithm.server_evaluate(server_state)
             if evaluation is None:
-                evaluation = transport.evaluate(payloads)
+                chosen = eval_sample(n_clients, train, seed, rnd + 1)
+                evaluation = transport.evaluate({c: payloads[c] for c in chosen})
             server_row["eval_s"] = round(time.time() - t_eval, 4)
         with open(server_path, "a") as fh:
             fh.write(json.dumps(server_row) + "\n")
