@@ -224,6 +224,25 @@ def prepare(config=None, overrides=(), resume=None, default_name: str = "", meth
     return (cfg, run_dir, *loaded)
 
 
+def seeded_data(cfg, seed: int, seed_dir: Path):
+    """(config, users, server data) of one seed of a grid whose partition follows the seed
+    (``data.seed: run``); the seed's partition.json is written beside its runs."""
+    from .config import with_data_seed
+    from .data import check_seq_len, describe_partition, load_corpus, make_user_data
+    from .data.splits import make_server_data
+    from .files import atomic_write
+    from .models.base import load_tokenizer
+    from .specs import public_corpus_of
+    seed_cfg = with_data_seed(cfg, seed)
+    corpus, tok = load_corpus(cfg.corpus), load_tokenizer(cfg.model)
+    users = make_user_data(corpus, tok, seed_cfg.data)
+    check_seq_len(users, cfg.train.seq_len)
+    seed_dir.mkdir(parents=True, exist_ok=True)
+    part = json.dumps(describe_partition(users), indent=1)
+    atomic_write(seed_dir / "partition.json", lambda p: Path(p).write_text(part))
+    return seed_cfg, users, make_server_data(corpus, tok, seed_cfg.data, public_corpus_of(cfg))
+
+
 def run(config=None, *overrides: str, resume=None, quiet: bool = False, on_run_dir=None, **settings) -> RunResults:
     """Run every method of ``config`` (a YAML path; None: the main job) with the given overrides;
     returns each method's results (``results.json``: per-user metrics, mean, bytes, config), in
@@ -280,16 +299,22 @@ def compare(config=None, *overrides: str, methods=None, seeds=None, resume=None,
     seeds = cfg.seeds or [cfg.seed]
     console.print(f"[bold]comix compare[/] {run_dir}  methods={' '.join(cfg.methods)} seeds={seeds}\n{table}")
     print_calibration(cfg, users, console)
+    if cfg.data.seed == "run":  # no one partition for the grid: each seed folder holds its own
+        (run_dir / "partition.json").unlink(missing_ok=True)
     for seed in seeds:
+        seed_cfg, seed_users, seed_server = cfg, users, server_data
+        if cfg.data.seed == "run":  # each seed its own partition and test set (data.seed: run)
+            seed_cfg, seed_users, seed_server = seeded_data(cfg, seed, run_dir / f"seed{seed}")
         for spec in cfg.methods:
-            run_spec(cfg, spec, seed, run_dir / f"seed{seed}" / spec_dirname(spec), model, users, console,
-                     server_data)
+            run_spec(seed_cfg, spec, seed, run_dir / f"seed{seed}" / spec_dirname(spec), model, seed_users, console,
+                     seed_server)
     results = collect(run_dir, cfg.methods, seeds)
     names = scored_names([r for by in results.values() for r in by.values()], users)
     md = summary_tables(results, names)
     title = metric_title([r for by in results.values() for r in by.values()])
     setup = f"mode {cfg.data.mode}" if all(u.task == "lm" for u in users) else \
         f"partition {cfg.data.partition}" + (f", alpha {cfg.data.alpha}" if cfg.data.partition == "dirichlet" else "")
+    setup += ", each seed its own data split" if cfg.data.seed == "run" else f", one data split (data.seed {cfg.data.seed})"
     header = (f"{title} ({cfg.model}, {cfg.corpus}, {setup}, seeds {seeds}): "
               "mean over users (of the last round), then mean (std) over seeds\n\n")
     overhead = overhead_table(run_dir, cfg.methods, seeds)

@@ -25,6 +25,14 @@ class ConfigError(ValueError):
     pass
 
 
+def with_data_seed(cfg: "RunConfig", seed: int) -> "RunConfig":
+    """``cfg`` for training seed ``seed``: with ``data.seed: run`` the data are split and
+    partitioned with that seed (each seed of a grid its own partition and test set), else ``cfg``."""
+    if cfg.data.seed != "run":
+        return cfg
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seed=seed))
+
+
 @dataclass
 class ComigsConfig:
     experts: int | list[int] = 2      # per-user list for comigs-1gxs, e.g. [2, 2, 4, 4]
@@ -241,7 +249,7 @@ def _set(obj, dotted: str, value, prefix: str = "") -> None:
     default = getattr(type(obj)(), head) if dataclasses.is_dataclass(obj) else current
     per_client = (key == "quant" and isinstance(value, list) and all(isinstance(v, str) for v in value)) or \
         (key == "micro_batches" and (value == "auto" or isinstance(value, list) and all(isinstance(v, int) for v in value))) or \
-        (key == "train.cohort" and value == "auto")
+        (key == "train.cohort" and value == "auto") or (key == "data.seed" and value == "run")
     if not per_client and not _type_ok(value, default if default is not None else current):
         want = type(default).__name__ if default is not None else "a value"
         raise ConfigError(f"config key {key!r} expects {want}, got {value!r}")

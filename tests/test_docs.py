@@ -73,3 +73,12 @@ def test_every_bench_reports_its_footprint():
     err = subprocess.run([sys.executable, "-c", code], cwd=ROOT / "bench", capture_output=True, text=True).stderr
     peak = float(re.search(r"peak RSS ([\d,]+) MB", err).group(1).replace(",", ""))
     assert "[footprint] wall" in err and 300 < peak < 1000
+
+
+def test_every_python_block_of_the_docs_runs_from_an_empty_folder(tmp_path, monkeypatch):
+    """A user copies a snippet into a script anywhere: no repository path, no warm cache of ours."""
+    blocks = [(doc.name, b) for doc in DOCS for b in re.findall(r"```python\n(.*?)```", doc.read_text(), re.S)]
+    assert blocks
+    monkeypatch.chdir(tmp_path)
+    for name, block in blocks:
+        exec(compile(block, f"{name} python block", "exec"), {"__name__": "__snippet__"})

@@ -194,6 +194,23 @@ def test_a_run_on_an_instruction_set_reports_its_task_metric_and_saves_the_parti
     assert not (tmp_path / "assignment-fedit.png").exists()
 
 
+def test_data_seed_run_gives_each_seed_of_a_grid_its_own_partition_and_test_set(tmp_path):
+    """data.seed: run draws the partition and the splits from each grid seed (the intervals over
+    seeds then cover the data split); a fixed data.seed keeps one partition for every seed."""
+    from comix.cli import main
+    common = ["model=tiny-llama", "corpus=relations", "data.partition=dirichlet", "data.clients=3",
+              "data.test_examples=5", "data.valid_examples=3", "train.rounds=1", "train.local_steps=1",
+              "train.batch_size=2", "--methods", "local", "--seeds", "1", "2"]
+    for name, seed in (("run", "run"), ("fixed", "7")):
+        assert main(["compare", f"data.seed={seed}", f"run_dir={tmp_path / name}", *common]) == 0
+    parts = {s: json.loads((tmp_path / "run" / f"seed{s}" / "partition.json").read_text()) for s in (1, 2)}
+    assert parts[1] != parts[2]
+    assert not (tmp_path / "run" / "partition.json").exists()  # no one partition for the grid
+    assert not (tmp_path / "fixed" / "seed1" / "partition.json").exists()
+    sizes = {s: [u["train"]["size"] for u in parts[s].values()] for s in (1, 2)}
+    assert sizes[1] != sizes[2]  # Dirichlet draws of their own
+
+
 def test_evaluation_runs_without_dropout_and_restores_the_mode(tok):
     from comix.engines.device import evaluate
     model, _ = load_base_model("tiny-gpt2", dropout=0.3)

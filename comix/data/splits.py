@@ -41,7 +41,9 @@ class SplitConfig:
     train_tokens: list[int] | None = None  # per-user training-token budget (quantity skew)
     valid_tokens: int | None = None        # cap per user (the router's validation set is small)
     test_tokens: int | None = None         # cap per user; perplexity runs over the whole capped split
-    seed: int = 0                          # document-split seed (independent of the training seed)
+    # document-split / partition seed: independent of the training seed, or "run": the run's
+    # seed, so that each seed of a compare grid draws its own partition and test set
+    seed: int | str = 0
     users: list[str] | None = None         # categories to use, in user order (default: all)
     clients: int = 0                       # > 0: that many clients with Dirichlet mixtures of the categories
     alpha: float = 1.0                     # Dirichlet concentration of those mixtures
