@@ -144,9 +144,13 @@ def ablation_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
     seeds = sorted({s for by in runs.values() for s in by})
     order = [m for m in meta.get("order", []) if m in runs] + sorted(set(runs) - set(meta.get("order", [])))
     score = {m: {s: _result(d)["mean"] for s, d in by.items()} for m, by in runs.items()}
-    rows = [f"| method | MTAL, mean (std) over seeds | seed {' / '.join(map(str, seeds))} | "
+    rows = [f"| method | MTAL, mean (population std) over seeds | seed {' / '.join(map(str, seeds))} | "
             f"minus {names.get(ref, ref)}: mean, 95 % interval | experts new each round |",
             "|---|---|---|---|---|"]
+    majority = _majority_label(meta, runs, seeds)
+    if majority:  # the trivial baseline every row must beat before it is read
+        rows.append(f"| *majority training label (trivial)* | {_mean_std(list(majority.values()))} | "
+                    + " / ".join(f"{majority[s]:.2f}" if s in majority else "-" for s in seeds) + " | - | - |")
     for m in order:
         by = score[m]
         per_seed = " / ".join(f"{by[s]:.2f}" if s in by else "-" for s in seeds)
@@ -160,7 +164,28 @@ def ablation_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
         churn = [c for d in runs[m].values() for c in assignment_churn(_jsonl(d / "server.jsonl"))]
         churn_cell = f"{statistics.fmean(churn):.2f}" if churn and all(c == c for c in churn) else "-"
         rows.append(f"| {names.get(m, m)} | {_mean_std(list(by.values()))} | {per_seed} | {diff} | {churn_cell} |")
+    if majority:
+        from comix.comparison import one_label_share
+        shares = {m: [x for d in runs[m].values() if (x := one_label_share(_result(d))) is not None] for m in order}
+        rows += ["", "Clients whose model answers every test example with one label (%), mean over seeds: "
+                 + ", ".join(f"{names.get(m, m)} {statistics.fmean(v):.0f}" for m, v in shares.items() if v) + "."]
     return "\n".join(rows)
+
+
+def _majority_label(meta: dict, runs: dict[str, dict[int, Path]], seeds: list[int]) -> dict[int, float]:
+    """Per seed, the clients' majority-training-label accuracy (comparison.majority_label_accuracy)
+    from the seed's partition.json (or the case's one partition)."""
+    from comix.comparison import majority_label_accuracy
+    case = RESULTS / meta["case"]
+    out = {}
+    for s in seeds:
+        for path in (case / f"seed{s}" / "partition.json", case / "partition.json"):
+            if path.exists():
+                acc = majority_label_accuracy(json.loads(path.read_text()))
+                if acc is not None:
+                    out[s] = acc
+                break
+    return out
 
 
 def users_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
@@ -676,6 +701,8 @@ def save(runs: list[Path], case: str, meta: dict) -> Path:
             seed = d.parent.name if d.parent.name.startswith("seed") else f"seed{seed_of_run}"
             dest = tmp / seed / d.name
             dest.mkdir(parents=True)
+            if (d.parent / "partition.json").exists() and d.parent != run:  # a seed's own split (data.seed: run)
+                shutil.copy(d.parent / "partition.json", tmp / seed / "partition.json")
             # one line: a results.json holds every client's gates per module (thousands of pretty lines)
             (dest / "results.json").write_text(json.dumps(json.loads((d / "results.json").read_text())) + "\n")
             for name in ("metrics.jsonl", "server.jsonl"):

@@ -287,7 +287,7 @@ def compare(config=None, *overrides: str, methods=None, seeds=None, resume=None,
     """A resumable grid of method specs x seeds (finished runs are skipped); writes compare.md,
     compare.json and the figures, returns {spec: {seed: results}} with the grid's folder as ``.run_dir``."""
     from .comparison import (MANY_USERS, collect, curves, global_model_tables, metric_title, overhead_table,
-                             privacy_table, references, summary_tables)
+                             privacy_table, references, summary_tables, trivial_baselines)
     from .reporting.figures import plot_assignment, plot_curves, plot_global_model, plot_privacy
     from .files import atomic_write
     from .runner import run_spec
@@ -311,6 +311,8 @@ def compare(config=None, *overrides: str, methods=None, seeds=None, resume=None,
     results = collect(run_dir, cfg.methods, seeds)
     names = scored_names([r for by in results.values() for r in by.values()], users)
     md = summary_tables(results, names)
+    trivial = trivial_baselines(run_dir, results, seeds)
+    md = md.replace("\n\n", f"\n\n{trivial}\n\n", 1) if trivial else md
     title = metric_title([r for by in results.values() for r in by.values()])
     setup = f"mode {cfg.data.mode}" if all(u.task == "lm" for u in users) else \
         f"partition {cfg.data.partition}" + (f", alpha {cfg.data.alpha}" if cfg.data.partition == "dirichlet" else "")

@@ -63,12 +63,57 @@ def user_table(cells: dict[str, list[str]], users: list[str]) -> str:
     return "\n".join(rows)
 
 
+def majority_label_accuracy(partition: dict) -> float | None:
+    """The trivial baseline of a classification partition: each client answers the label most
+    frequent in its own training split; the mean over clients of that answer's test accuracy (%)
+    (None: no classification client)."""
+    accs = []
+    for row in partition.values():
+        train, test = row["train"].get("labels"), row["test"].get("labels")
+        if not train or not test or not sum(test.values()):
+            continue
+        majority = max(train, key=lambda c: (train[c], c))
+        accs.append(100.0 * test[majority] / sum(test.values()))
+    return statistics.fmean(accs) if accs else None
+
+
+def one_label_share(result: dict) -> float | None:
+    """Share (%) of a run's clients whose model answered every test example with one label."""
+    preds = [m["test_predicted"] for m in result["per_user"].values() if m.get("test_predicted")]
+    return 100.0 * sum(sum(1 for v in p.values() if v) == 1 for p in preds) / len(preds) if preds else None
+
+
+def trivial_baselines(run_dir: Path, results: dict[str, dict[int, dict]], seeds: list[int]) -> str:
+    """For classification runs, the trivial baselines every trained model must beat before it is
+    read: the clients' majority training label (per seed's partition) and, per method, the share
+    of clients whose model predicts one label. Empty for other tasks."""
+    majority = {}
+    for seed in seeds:
+        for folder in (run_dir / f"seed{seed}", run_dir):
+            if (folder / "partition.json").exists():
+                acc = majority_label_accuracy(json.loads((folder / "partition.json").read_text()))
+                if acc is not None:
+                    majority[seed] = acc
+                break
+    if not majority:
+        return ""
+    lines = [f"Trivial baselines (to beat before a row is read): each client answering its majority training label "
+             f"scores {_mean_std(list(majority.values()))} (population std over seeds); clients whose model "
+             "answers every test example with one label, mean over seeds:", "",
+             "| method | MTAL minus majority label | clients predicting one label (%) |", "|---|---|---|"]
+    for spec, by_seed in results.items():
+        gaps = [metric_of(r)[1] - majority[s] for s, r in by_seed.items() if s in majority]
+        shares = [x for r in by_seed.values() if (x := one_label_share(r)) is not None]
+        lines.append(f"| {spec} | {_mean_std(gaps) if gaps else '-'} | {_mean_std(shares) if shares else '-'} |")
+    return "\n".join(lines)
+
+
 def summary_tables(results: dict[str, dict[int, dict]], users: list[str]) -> str:
     """Table 1/5 (CoMiGS) or I/II/III (FedAMoLE) style: mean (std) over seeds of the users' mean
     test metric (of the last round: MTAL for accuracy / Rouge-L), and a per-user table."""
     title = metric_title([r for by in results.values() for r in by.values()]).lower()
     label = f"MTAL: {title}" if "ppl" not in title and "perplexity" not in title else f"mean {title}"
-    lines = [f"| method | {label} (std over seeds) | seeds |", "|---|---|---|"]
+    lines = [f"| method | {label} (population std over seeds) | seeds |", "|---|---|---|"]
     for spec, by_seed in results.items():
         lines.append(f"| {spec} | {_mean_std([metric_of(r)[1] for r in by_seed.values()])} | {len(by_seed)} |")
     cells = {spec: [_mean_std(xs) if (xs := [r["per_user"][u][metric_of(r)[0]] for r in by_seed.values()
@@ -122,7 +167,7 @@ def privacy_table(results: dict[str, dict[int, dict]]) -> str:
                     "inf (no DP) | ")
         rows[-1] += f"{_mean_std([metric_of(r)[1] for r in by_seed.values()])} |"
     title = metric_title([r for by in results.values() for r in by.values()])
-    return "\n".join([f"| method | clip | noise multiplier | epsilon | {title} (std over seeds) |",
+    return "\n".join([f"| method | clip | noise multiplier | epsilon | {title} (population std over seeds) |",
                       "|---|---|---|---|---|", *rows])
 
 

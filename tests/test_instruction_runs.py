@@ -182,6 +182,15 @@ def test_a_run_on_an_instruction_set_reports_its_task_metric_and_saves_the_parti
     part = json.loads((tmp_path / "partition.json").read_text())
     assert set(part) == {"client0", "client1", "client2"} and part["client0"]["test"]["size"] == 5
     assert (tmp_path / "curves.png").exists()
+    # the trivial baselines beside the table: the majority training label per client, from the partition
+    from comix.comparison import majority_label_accuracy
+    majority = majority_label_accuracy(part)
+    by_hand = [100 * u["test"]["labels"][max(u["train"]["labels"], key=lambda c: (u["train"]["labels"][c], c))] /
+               u["test"]["size"] for u in part.values()]
+    assert majority == pytest.approx(sum(by_hand) / 3) and f"scores {majority:.2f}" in md
+    for u, m in res["per_user"].items():  # each client's predictions counted, in label order
+        assert sum(m["test_predicted"].values()) == 5 and list(m["test_predicted"]) == list(RELATIONS)
+    assert "| fedit | " in md.split("Trivial baselines")[1]
     # Table IV: the upload column is the mean of what the clients sent, per client and round, in MB
     up = [r["bytes_up"] / 2**20 for s in (1, 2) for r in
           map(json.loads, (tmp_path / f"seed{s}" / "fedit" / "metrics.jsonl").read_text().splitlines())]
@@ -209,6 +218,17 @@ def test_data_seed_run_gives_each_seed_of_a_grid_its_own_partition_and_test_set(
     assert not (tmp_path / "fixed" / "seed1" / "partition.json").exists()
     sizes = {s: [u["train"]["size"] for u in parts[s].values()] for s in (1, 2)}
     assert sizes[1] != sizes[2]  # Dirichlet draws of their own
+
+
+def test_one_label_share_counts_the_clients_whose_model_answers_one_label_only():
+    from comix.comparison import majority_label_accuracy, one_label_share
+    result = {"per_user": {"a": {"test_predicted": {"Synonym": 5, "Antonym": 0}},
+                           "b": {"test_predicted": {"Synonym": 3, "Antonym": 2}},
+                           "c": {"test_predicted": {"Synonym": 0, "Antonym": 4}}, "d": {}}}
+    assert one_label_share(result) == pytest.approx(200 / 3)
+    part = {"a": {"train": {"labels": {"Synonym": 9, "Antonym": 1}}, "test": {"labels": {"Synonym": 1, "Antonym": 3}}},
+            "b": {"train": {"labels": {"Synonym": 2, "Antonym": 2}}, "test": {"labels": {"Synonym": 2, "Antonym": 2}}}}
+    assert majority_label_accuracy(part) == pytest.approx((25 + 50) / 2)  # a tie goes to the later name
 
 
 def test_evaluation_runs_without_dropout_and_restores_the_mode(tok):

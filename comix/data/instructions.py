@@ -34,6 +34,11 @@ ALPACA = ("Below is an instruction that describes a task. Write a response that 
           "request.\n\n### Instruction:\n{instruction}\n\n### Response:\n")
 SNLI = 'Suppose {premise} Can we infer that "{hypothesis}"? Yes, No, or Maybe?\n'
 SNLI_CHOICES = ("Yes", "Maybe", "No")  # SNLI labels 0 entailment, 1 neutral, 2 contradiction
+# the built-in relations set (SNLI's role) in the form of the authors' SNLI template: the two words,
+# one question naming the answers, the answer on the next line (a 135M model learns it within a few
+# hundred examples where the Alpaca form's 40 tokens of preamble left it at the label priors:
+# docs/fedamole.md)
+RELATIONS_TEMPLATE = 'Are "{first}" and "{second}" synonyms, antonyms, or unrelated?\n'
 SOFT_PROMPT_GENERATION = ("Generate a clear and direct response that accurately fulfills the task based on the "
                           "provided instruction and any given context.")
 SOFT_PROMPT_SNLI = ("Based on the premise, determine if the hypothesis logically follows. Answer with 'Yes' if it "
@@ -59,6 +64,15 @@ class NLIExample(Example):
 
     def prompt(self) -> str:
         return SNLI.format(premise=self.instruction, hypothesis=self.input)
+
+
+@dataclass(frozen=True)
+class RelationExample(Example):
+    """Two words (``input`` "first, second") and their relation (Synonym / Antonym / Unrelated)."""
+
+    def prompt(self) -> str:
+        first, second = self.input.split(", ", 1)
+        return RELATIONS_TEMPLATE.format(first=first, second=second)
 
 
 @dataclass
@@ -243,7 +257,7 @@ RELATIONS = ("Synonym", "Antonym", "Unrelated")
 BUILTIN_SETS = {"instructions": ("generation", ()), "relations": ("classification", RELATIONS)}
 
 
-def _example_rows(path, lines) -> list[Example]:
+def _example_rows(path, lines, cls=Example) -> list[Example]:
     out = []
     for i, line in enumerate(lines, 1):
         if not line.strip():
@@ -257,8 +271,8 @@ def _example_rows(path, lines) -> list[Example]:
         for key in ("instruction", "output"):
             if not isinstance(row.get(key), str) or not row[key].strip():
                 raise ValueError(f"{path}:{i}: field {key!r} must be a non-empty string")
-        out.append(Example(row["instruction"], row["output"], input=row.get("input") or "",
-                           category=str(row.get("task") or row.get("category") or "")))
+        out.append(cls(row["instruction"], row["output"], input=row.get("input") or "",
+                       category=str(row.get("task") or row.get("category") or "")))
     return out
 
 
@@ -266,7 +280,8 @@ def builtin_set(name: str) -> InstructionSet:
     task, choices = BUILTIN_SETS[name]
     path = BUILTIN_DIR / f"{name}.jsonl.xz"
     with lzma.open(path, "rt", encoding="utf-8") as fh:
-        return InstructionSet(name, _example_rows(path, fh), task, choices)
+        return InstructionSet(name, _example_rows(path, fh, RelationExample if name == "relations" else Example),
+                              task, choices)
 
 
 def instruction_file(path: str | Path) -> InstructionSet:

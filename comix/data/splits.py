@@ -342,6 +342,8 @@ def describe_partition(users: list[UserData]) -> dict:
                 for ex in split.examples:
                     cats[ex.category] = cats.get(ex.category, 0) + 1
                 row[s]["categories"] = dict(sorted(cats.items()))
+                if u.task == "classification":  # what the trivial baselines read (comparison.py)
+                    row[s]["labels"] = {c: sum(ex.output == c for ex in split.examples) for c in u.choices}
         out[u.name] = row
     return out
 

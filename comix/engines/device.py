@@ -25,7 +25,7 @@ from ..algorithms.training import adapter_tensors
 from ..data import UserData
 from ..eval import perplexity
 from ..eval.perplexity import cohort_split_nll
-from ..eval.tasks import split_accuracy, split_response_nll, split_rouge_l
+from ..eval.tasks import split_accuracy, split_predictions, split_response_nll, split_rouge_l
 from ..models import mixtures, routing_stats, set_record_stats
 from ..models.amole import AMoLELinear
 from ..models.lease import LeaseLinear
@@ -88,7 +88,8 @@ def fresh_adapters(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
 def evaluate(model: nn.Module, user: UserData, train, runtime: Runtime = Runtime()) -> dict:
     """What a client reports after a round, chosen by its data's task (``train`` = the run's
     TrainConfig): perplexity of each of ``train.eval_splits`` (on instruction data: of the
-    responses); for classification the test accuracy (%), for generation the test Rouge-L (%) of
+    responses); for classification the test accuracy (%) and how often each label was
+    predicted, for generation the test Rouge-L (%) of
     greedy answers of at most ``train.max_new_tokens`` (FedAMoLE Sec. V-A-2); mixtures add their
     mean gate per layer and expert on one validation batch."""
     seq_len, batch_size = train.seq_len, train.eval_batch_size
@@ -104,7 +105,11 @@ def evaluate(model: nn.Module, user: UserData, train, runtime: Runtime = Runtime
                     total, n = split_response_nll(model, user.tokens(s), batch_size)
                     out[f"{s}_ppl"] = math.exp(total / max(1, n))
             if "test" in train.eval_splits and user.task == "classification":
-                out["test_acc"] = split_accuracy(model, user.test, user.choices, batch_size)
+                pred = split_predictions(model, user.test, user.choices, batch_size)
+                out["test_acc"] = split_accuracy(model, user.test, user.choices, predictions=pred)
+                # how often each label was predicted: a model that answers one label whatever the
+                # input has learnt the client's label prior, not the task (docs/fedamole.md)
+                out["test_predicted"] = {c: pred.count(c) for c in user.choices}
             elif "test" in train.eval_splits and user.task == "generation":
                 scores = split_rouge_l(model, user.test, train.max_new_tokens, batch_size)
                 out["test_rouge_l"] = scores[train.rouge]  # the run's metric; the other beside it

@@ -106,10 +106,16 @@ def choice_losses(model, split, choices: tuple[str, ...], batch_size: int = 8) -
     return to_cpu(torch.cat(out))
 
 
-def split_accuracy(model, split, choices: tuple[str, ...], batch_size: int = 8) -> float:
-    """Accuracy (%) of the lowest-loss label (FedAMoLE Sec. V-A-2, the reference evaluator's argmin)."""
-    pred = choice_losses(model, split, choices, batch_size).argmin(1).tolist()
-    return 100.0 * sum(choices[p] == ex.output for p, ex in zip(pred, split.examples)) / max(1, len(split))
+def split_predictions(model, split, choices: tuple[str, ...], batch_size: int = 8) -> list[str]:
+    """Each example's lowest-loss label (FedAMoLE Sec. V-A-2, the reference evaluator's argmin)."""
+    return [choices[p] for p in choice_losses(model, split, choices, batch_size).argmin(1).tolist()]
+
+
+def split_accuracy(model, split, choices: tuple[str, ...], batch_size: int = 8,
+                   predictions: list[str] | None = None) -> float:
+    """Accuracy (%) of the lowest-loss label (``predictions``: computed already)."""
+    pred = predictions if predictions is not None else split_predictions(model, split, choices, batch_size)
+    return 100.0 * sum(p == ex.output for p, ex in zip(pred, split.examples)) / max(1, len(split))
 
 
 def _left_pad(prompts: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,7 @@ def results_section(page: Page, runs: dict[str, dict[int, Path]]) -> None:
     results = results_of(runs)
     title = metric_title([r for by in results.values() for r in by.values()])
     private = any(r.get("epsilon") is not None for by in results.values() for r in by.values())
-    rows = [f"| method | {title}: mean over users (std over seeds) | seeds |{' epsilon |' if private else ''} "
+    rows = [f"| method | {title}: mean over users (population std over seeds) | seeds |{' epsilon |' if private else ''} "
             "scored model |", "|---|---|---|---|" + ("---|" if private else "")]
     for spec, by in results.items():
         eps = next(iter(by.values())).get("epsilon")
