@@ -1,6 +1,12 @@
 """comix: collaborative, personalized fine-tuning of on-device LMs with mixtures of LoRA experts."""
 __version__ = "0.1.0"
 
+import logging as _logging  # noqa: E402
+
+# bitsandbytes' CPU backend says at import (through PEFT, quantised base or not) that it cannot fetch
+# a faster 4-bit kernel from the hub (the `kernels` package): comix runs offline on its built-in one
+_logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(_logging.ERROR)
+
 from .api import compare, export, load_personal, report, run  # noqa: E402  (the Python face; comix/api.py)
 
 __all__ = ["run", "compare", "export", "load_personal", "report", "__version__"]

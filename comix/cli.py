@@ -215,6 +215,8 @@ def main(argv=None) -> int:
     RUN_DIR = None
     # transformers' / the hub's own loading bars would interleave with comix's progress
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    import warnings  # ... and the hub then warns each time a library asks for its bars back
+    warnings.filterwarnings("ignore", message="Cannot enable progress bars", category=UserWarning)
 
     ap = argparse.ArgumentParser(prog="comix", description="Collaborative fine-tuning with mixtures of LoRA experts")
     ap.add_argument("--version", action="version", version=f"comix {__version__}")

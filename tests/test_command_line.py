@@ -58,3 +58,18 @@ def test_built_in_recipes_run_by_name_from_any_directory(tmp_path, monkeypatch, 
     assert main(["recipes"]) == 0
     out = capsys.readouterr().out
     assert "small/table1-multilingual " in out and f"{len(list(RECIPES.rglob('*.yaml')))} recipes" in out
+
+
+def test_a_run_and_an_export_print_no_library_warning_that_says_nothing_to_a_user(tmp_path):
+    """bitsandbytes' 'cannot fetch a faster kernel from the hub' at import and the hub's 'cannot
+    enable progress bars' on every export are comix's doing (offline; bars switched off)."""
+    common = [sys.executable, "-m", "comix.cli"]
+    run = subprocess.run([*common, "run", "model=tiny-llama", "methods=[fedavg]", "train.rounds=1", "train.local_steps=1",
+                          "train.seq_len=32", "data.valid_tokens=512", "data.test_tokens=256",
+                          f"run_dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-1000:]
+    export = subprocess.run([*common, "export", str(tmp_path / "run"), "--user", "de", "--out", str(tmp_path / "de")],
+                            capture_output=True, text=True, timeout=600)
+    assert export.returncode == 0, export.stderr[-1000:]
+    for err in (run.stderr, export.stderr):
+        assert "kernels" not in err and "Cannot enable progress bars" not in err and "FutureWarning" not in err, err
