@@ -144,7 +144,7 @@ def plan(fleet: Fleet, needs: list[dict[Setting, float]], quant: str | list[str]
         p = fleet.profile_of(c, n)
         want_q = quant if isinstance(quant, str) else quant[c]
         want_m = micro_batches if isinstance(micro_batches, (int, str)) else micro_batches[c]
-        order = [(q, m) for q in ("none", "int8", "nf4") for m in sorted({m for _, m in need}) if (q, m) in need]
+        order = [(q, m) for q in ("none", "int8", "q4", "nf4") for m in sorted({m for _, m in need}) if (q, m) in need]
         fits = [s for s in order if need[s] <= p.memory_mb]
         if not fits:
             raise ValueError(f"fleet: nothing fits device {c} ({p.name}, {p.memory_mb:g} MB) for {method}: it needs "

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-QUANTS = ("none", "int8", "nf4")  # the frozen base's block linears (models/quant.py)
+QUANTS = ("none", "int8", "q4", "nf4")  # the frozen base's block linears (models/quant.py)
 
 
 @dataclass(frozen=True)

@@ -219,7 +219,9 @@ def planned_base_bytes(base: nn.Module) -> dict[str, float]:
     rows = sum(m.out_features for m in linears)
     size = linears[0].weight.element_size()
     rest = base_bytes(base) - weights * size
-    return {"none": rest + weights * size, "int8": rest + weights + rows * 4, "nf4": rest + weights / 2 + weights / 64}
+    # q4: HQQ's 4-bit codes and a scale and a zero per group of 32 in the run's dtype
+    return {"none": rest + weights * size, "int8": rest + weights + rows * 4,
+            "q4": rest + weights / 2 + weights / 32 * 2 * size, "nf4": rest + weights / 2 + weights / 64}
 
 
 def training_memory(base: nn.Module, algorithm: Algorithm, user: UserData, client: int = 0,

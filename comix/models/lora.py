@@ -44,8 +44,9 @@ class LoRAConfig:
 
 
 def linear_dims(layer: nn.Module) -> tuple[int, int]:
-    """(in_features, out_features) of a Linear or a GPT-2 Conv1D (whose weight is in x out)."""
-    if isinstance(layer, nn.Linear):
+    """(in_features, out_features) of a Linear (or a quantised one: bitsandbytes' subclass it,
+    HQQ's HQQLinear does not) or a GPT-2 Conv1D (whose weight is in x out)."""
+    if isinstance(layer, nn.Linear) or type(layer).__name__ == "HQQLinear":
         return layer.in_features, layer.out_features
     if isinstance(layer, Conv1D):
         return layer.weight.shape[0], layer.weight.shape[1]

@@ -32,7 +32,7 @@ def qlora_model(model: nn.Module, quant: str, cfg: LoRAConfig, compute_dtype: to
     for block in transformer_blocks(q):
         for parent in list(block.modules()):
             for name, child in list(parent.named_children()):
-                if isinstance(child, nn.Linear):  # bitsandbytes' layers are nn.Linear subclasses
+                if isinstance(child, nn.Linear) or type(child).__name__ == "HQQLinear":  # bnb's subclass nn.Linear
                     setattr(parent, name, LoRALinear(child, cfg).to(device))
     return q
 

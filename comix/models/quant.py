@@ -6,6 +6,13 @@ transformer blocks becomes a bitsandbytes layer, the adapters around it stay as 
     dtype (``compute_dtype``);
   * ``int8``: ``bnb.nn.Linear8bitLt`` without fp16 master weights (LLM.int8(), Dettmers et al.
     2022), outlier threshold 6.0 (the bitsandbytes / transformers default).
+  * ``q4``: HQQ's ``HQQLinear`` (Badri & Shaji 2023), 4 bits on an asymmetric grid per group of 32
+    weights with a scale and a zero each, the zero not rounded (``round_zero=False``). Why it is the
+    4-bit step of ``quant=auto``: the offline SmolLM2 weights come from a Q4_1 GGUF, i.e. they lie on
+    exactly such a grid, and HQQ's optimiser finds it again (relative error 1.6e-7 on the model's
+    down_proj, measured); NF4's fixed 16 levels cost +40 % perplexity on the same weights
+    (bench/quant.py). NF4 stays for QLoRA fidelity. Its forward dequantises and multiplies
+    (HQQ's PyTorch backend): gradients reach its input on the CPU.
 Embeddings, norms and the LM head stay in the compute dtype (transformers' BitsAndBytesConfig
 skips ``lm_head`` too). Every LoRA, mixture and AMoLE wrapper calls its base linear as a module,
 so adapters, routers and uploads keep their own (fp32 master) precision. GPT-2's blocks hold
@@ -31,7 +38,11 @@ def check_quant(quant: str) -> str | None:
     """Why ``quant`` cannot run here (one line), or None."""
     if quant not in QUANTS:
         return f"quant must be one of {', '.join(QUANTS)}, auto (with a fleet) or one per client, got {quant!r}"
-    if quant != "none":
+    if quant == "q4":
+        import importlib.util
+        if importlib.util.find_spec("hqq") is None:
+            return "quant=q4 needs hqq: pip install 'comix[quant]'"
+    elif quant != "none":
         try:
             _bitsandbytes()
         except ImportError:
@@ -69,11 +80,14 @@ def on_device(model: nn.Module, runtime: Runtime) -> nn.Module:
 def quant_of_base(model: nn.Module) -> str:
     """The precision ``model``'s block linears are stored at: nf4, int8 or none."""
     kinds = {type(m).__name__ for m in model.modules()}
-    return "nf4" if "Linear4bit" in kinds else "int8" if "Linear8bitLt" in kinds else "none"
+    return "nf4" if "Linear4bit" in kinds else "int8" if "Linear8bitLt" in kinds else "q4" if "HQQLinear" in kinds \
+        else "none"
 
 
 def quantize_linear(linear: nn.Linear, quant: str, compute_dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """``linear`` as a frozen bitsandbytes layer on ``device``."""
+    """``linear`` as a frozen quantised layer (bitsandbytes', or HQQ's for q4) on ``device``."""
+    if quant == "q4":
+        return _hqq_linear(linear, compute_dtype, device)
     bnb = _bitsandbytes()
     bias = linear.bias is not None
     w = linear.weight.data.to("cpu", torch.float32)
@@ -97,6 +111,22 @@ def quantize_linear(linear: nn.Linear, quant: str, compute_dtype: torch.dtype, d
     return q
 
 
+HQQ_GROUP = 32  # the GGUF Q4_1 block the offline weights come from (and HQQ's 4-bit group sizes)
+
+
+def _hqq_linear(linear: nn.Linear, compute_dtype: torch.dtype, device: torch.device) -> nn.Module:
+    from hqq.core.quantize import BaseQuantizeConfig, HQQLinear
+    if linear.in_features % HQQ_GROUP:
+        raise ValueError(f"quant=q4 quantises groups of {HQQ_GROUP} inputs: a linear of {linear.in_features} cannot")
+    cfg = BaseQuantizeConfig(nbits=4, group_size=HQQ_GROUP, axis=1)
+    cfg["weight_quant_params"]["round_zero"] = False  # a rounded zero moves every weight off the Q4_1 grid
+    bias = linear.bias
+    q = HQQLinear(linear, cfg, compute_dtype=compute_dtype, device=str(device))  # del_orig: drops its fp32 copy
+    # HQQ keeps the bias as a clone (not a leaf: no deepcopy of a client's base copy), trainable
+    q.bias = None if bias is None else nn.Parameter(bias.detach().to(device, compute_dtype), requires_grad=False)
+    return q
+
+
 def quantize_base(model: nn.Module, quant: str, compute_dtype: torch.dtype, device: torch.device) -> nn.Module:
     """``model`` with each linear of its blocks replaced by its ``quant`` form, on ``device``."""
     if quant == "none":
@@ -117,7 +147,9 @@ def shared_objects(model: nn.Module) -> list:
 
 
 def dequantized_weight(layer: nn.Module) -> torch.Tensor:
-    """The (out, in) float weight a quantised layer computes with (bitsandbytes' own dequantisation)."""
+    """The (out, in) float weight a quantised layer computes with (its library's own dequantisation)."""
+    if type(layer).__name__ == "HQQLinear":
+        return layer.dequantize().float()
     bnb = _bitsandbytes()
     w = layer.weight
     if isinstance(w, bnb.nn.Params4bit):
@@ -140,6 +172,8 @@ def base_bytes(model: nn.Module) -> int:
         scb = getattr(getattr(m, "state", None), "SCB", None)
         if isinstance(scb, torch.Tensor):
             total += scb.numel() * scb.element_size()
+        if type(m).__name__ == "HQQLinear":  # its scales and zeros live in a dict, not as tensors of the module
+            total += sum(t.numel() * t.element_size() for t in m.meta.values() if isinstance(t, torch.Tensor))
     return total + sum(b.numel() * b.element_size() for b in model.buffers())
 
 
