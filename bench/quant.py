@@ -1,11 +1,11 @@
-"""The main job on a full-precision, an int8 and an NF4 base (``quant=none|int8|nf4``), one process
-each on this machine: wall time, peak RSS, each device's base and training memory, and the
-per-user test perplexity each costs.
+"""The main job on a full-precision, an int8, an HQQ 4-bit and an NF4 base
+(``quant=none|int8|q4|nf4``), one process each on this machine: wall time, peak RSS, each
+device's base and training memory, and the per-user test perplexity each costs.
 
     python bench/quant.py [--methods fedavg comigs-1g1s] [-- key=value ...]
 
 Each run is ``python -m comix.cli run quant=<q> methods=[...] run_dir=runs/quant-<q>`` under
-/usr/bin/time -v; runs go none, int8, nf4 after one untimed warm-up of the caches. The runs are
+/usr/bin/time -v; runs go none, int8, q4, nf4 after one untimed warm-up of the caches. The runs are
 saved as the cases ``quant-main-job-<q>`` (bench/tables.py --save) and the measurements with them
 in ``quant-main-job/case.json``; ``python bench/tables.py`` makes the README's table from them.
 """
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 from tables import RESULTS, save  # noqa: E402
 
-QUANTS = ("none", "int8", "nf4")
+QUANTS = ("none", "int8", "q4", "nf4")
 
 
 def run(quant: str, methods: list[str], extra: list[str], out: Path) -> dict:
