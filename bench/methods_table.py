@@ -47,6 +47,14 @@ def _roles(names) -> str:
     return ", ".join(ROLE_WORDS[r] for r in roles) or "nothing"
 
 
+def _tokenizer() -> str:
+    """The folder of the base's tokenizer: in a fresh environment the first call builds comix's
+    cache of the offline model (its GGUF's tokenizer converted once, as any run's first load)."""
+    from comix.models.base import cache_dir, load_tokenizer
+    load_tokenizer(MODEL)
+    return str(cache_dir() / MODEL)
+
+
 def row(name: str) -> str:
     import torch
     from transformers import AutoModelForCausalLM
@@ -63,8 +71,10 @@ def row(name: str) -> str:
     if algo.device_spec(0) is not None or not algo.trains:
         sent = "nothing" if not algo.trains else "its own model, once (docs/deepfusion.md)"
         return f"| `{name}` | {_what(cls, variant)} | {sent} | - | - | - | {source} | {_cohort(algo)} |"
+    config = model_config(MODEL)
+    config.comix_tokenizer = _tokenizer()  # soft prompts count their TEXT init's tokens with it
     with torch.device("meta"):
-        model = inject_adapters(AutoModelForCausalLM.from_config(model_config(MODEL)), algo.adapter_config(0))
+        model = inject_adapters(AutoModelForCausalLM.from_config(config), algo.adapter_config(0))
     for module in model.modules():  # the state a method reads to pick what it trains (FedLEASE's
         for pn, p in list(module.named_parameters(recurse=False)):  # (M, g)) as real zeros, not meta
             if param_role(f"x.{pn}") == "lease_state":
