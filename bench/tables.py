@@ -737,11 +737,13 @@ def main(argv=None) -> int:
         text = doc.read_text()
         new = render(text)
         if new != text:
-            stale.append(doc.relative_to(ROOT))
+            # each block by name: the case whose table no longer matches its result files
+            blocks = [m.group("case") for m in MARK.finditer(text) if m.group("body") != table(m.group("case"))]
+            stale.append(f"{doc.relative_to(ROOT)} ({', '.join(blocks)})")
             if not args.check:
                 doc.write_text(new)
     if args.check and stale:
-        print(f"bench/tables.py: generated tables differ from their result files in {', '.join(map(str, stale))}; "
+        print(f"bench/tables.py: generated tables differ from their result files in {'; '.join(stale)}; "
               "run python bench/tables.py")
         return 1
     print(("checked" if args.check else "wrote") + f" {sum(len(MARK.findall(d.read_text())) for d in DOCS)} tables")

@@ -97,9 +97,10 @@ def trivial_baselines(run_dir: Path, results: dict[str, dict[int, dict]], seeds:
                 break
     if not majority:
         return ""
+    spread = " (population std over seeds)" if len(majority) > 1 else ""
     lines = [f"Trivial baselines (to beat before a row is read): each client answering its majority training label "
-             f"scores {_mean_std(list(majority.values()))} (population std over seeds); clients whose model "
-             "answers every test example with one label, mean over seeds:", "",
+             f"scores {_mean_std(list(majority.values()))}{spread}; clients whose model answers every test example "
+             "with one label, mean over seeds:", "",
              "| method | MTAL minus majority label | clients predicting one label (%) |", "|---|---|---|"]
     for spec, by_seed in results.items():
         gaps = [metric_of(r)[1] - majority[s] for s, r in by_seed.items() if s in majority]
