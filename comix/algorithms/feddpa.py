@@ -14,8 +14,8 @@ What differs from FedIT (one LoRA on q and v, r 8, alpha 16, PEFT's alpha / r, d
     the rounds train the global LoRA alone (FedIT); after the last round each client fine-tunes
     its local LoRA, starting from the final global LoRA, for ``finetune_steps`` (default: a
     round's local steps) with the global one frozen beside it at (1 - a, a).
-  * Only the global LoRA leaves the device; the server averages it (the authors weigh clients by
-    data size; comix uniformly, as its FedAvg and FedIT).
+  * Only the global LoRA leaves the device; the server averages it uniformly, as the authors do
+    (fed_utils/model_aggregation.py: FedAvg's data-size weights commented out, weights of 1 each).
   * Scoring: instance-wise dynamic weighting (GlobalModel_generated.py ``get_weight``): an
     instance's global weight is w * mean cos(e, e_j) over 5 random local training instances j,
     w = ``dynamic_weight`` 0.5, the local weight 1 - w * mean cos; e is the last layer's hidden
