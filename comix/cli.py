@@ -165,8 +165,16 @@ def cmd_report(args) -> int:
 def cmd_generate(args) -> int:
     import torch
 
+    from .models.base import TINY
     from .personal import load_any
     model, tok = load_any(args.dir)
+    manifest = Path(args.dir) / "manifest.json"
+    if manifest.exists():  # what generates: the export's method, user and base (stderr: stdout is the text)
+        m = json.loads(manifest.read_text())
+        base = (m.get("base") or {}).get("spec", "?")
+        print(f"model: {m.get('method')} for user {m.get('user')} on {base}" +
+              (f" (a tiny model with random weights: its text says that the code runs, not what a method learnt)"
+               if base in TINY else ""), file=sys.stderr)
     ids = tok(args.prompt, return_tensors="pt")["input_ids"]
     with torch.inference_mode():
         out = model.generate(input_ids=ids, max_new_tokens=args.max_new_tokens, do_sample=False,

@@ -103,7 +103,9 @@ def test_generate_prints_a_completion_from_an_export(run, tmp_path, capsys):
     out = export_personal(run, "bob", tmp_path / "bob", method="fedavg")
     capsys.readouterr()
     assert main(["generate", str(out), "der hund", "--max-new-tokens", "5"]) == 0
-    assert capsys.readouterr().out.startswith("der hund")
+    printed = capsys.readouterr()
+    assert printed.out.startswith("der hund")
+    assert "model: fedavg for user bob on tiny-llama" in printed.err and "random weights" in printed.err
 
 
 def test_bad_exports_are_one_line_and_leave_nothing(run, tmp_path, capsys):

@@ -36,6 +36,10 @@ def test_the_report_has_a_section_per_kind_of_record(run, capsys):
     eps = json.loads((run / "seed1" / "fedavg__privacy.clip=0.05_privacy.noise_multiplier=1" / "results.json")
                      .read_text())["epsilon"]
     assert f"{eps:.3g} |" in md
+    # what the run was, at the top, and that a random tiny model's numbers are not results
+    setup = next(ln for ln in md.splitlines() if ln.startswith("**Setup**"))
+    assert "model `tiny-llama`" in setup and "2 rounds" in setup and "**Warning**" in setup
+    assert md.index("**Setup**") < md.index("Results")
     # self-contained: every image inline, nothing fetched
     assert page.count("data:image/png;base64,") == len(re.findall(r"!\[", md)) >= 3
     assert not re.search(r"(src|href)=\"(https?:|//)", page)

@@ -38,7 +38,11 @@ def build_page(path: Path, routing: bool = True) -> Page:
     """The report of ``path`` (a run, compare or method folder) as a Page, not yet written."""
     runs = find_runs(path)
     page = Page(f"comix report: {path.name}")
-    page.md(f"Folder `{path}`; methods: {', '.join(runs)}; seeds: {sorted({s for by in runs.values() for s in by})}.")
+    seeds = sorted({s for by in runs.values() for s in by})
+    page.md(f"Folder `{path}`; methods: {', '.join(runs)}; seeds: {seeds}.")
+    setup = setup_line(path)
+    if setup:
+        page.md(setup)
     results_section(page, runs)
     curves_section(page, runs)
     gates_section(page, runs)
@@ -49,6 +53,35 @@ def build_page(path: Path, routing: bool = True) -> Page:
     devices_section(page, runs)
     privacy_section(page, runs)
     return page
+
+
+def setup_line(path: Path) -> str:
+    """What the run was, from its config.yaml (the folder's, or its run's above a method folder):
+    model, corpus, data split, rounds, steps and batch; a plain warning when the model is one of
+    the random tiny test models, whose numbers say that the code runs, not how a method does."""
+    import yaml
+
+    from ..models.base import TINY
+    for folder in (path, path.parent, path.parent.parent):
+        if (folder / "config.yaml").exists():
+            cfg = yaml.safe_load((folder / "config.yaml").read_text()) or {}
+            break
+    else:
+        return ""
+    data, train = cfg.get("data") or {}, cfg.get("train") or {}
+    if data.get("clients"):
+        split = f"{data['clients']} clients, " + (f"partition {data.get('partition')}" if data.get("partition") == "task"
+                                                  else f"Dirichlet({data.get('alpha')})")
+    else:
+        split = f"users' own categories, mode {data.get('mode', 'in')}"
+    split += ", each seed its own data split" if data.get("seed") == "run" else f", data.seed {data.get('seed', 0)}"
+    line = (f"**Setup**: model `{cfg.get('model')}`, corpus `{cfg.get('corpus')}` ({split}); "
+            f"{train.get('rounds')} rounds x {train.get('local_steps')} local steps of batch {train.get('batch_size')}"
+            f" (sequences of {train.get('seq_len')} tokens); precision {cfg.get('precision', 'fp32')}.")
+    if cfg.get("model") in TINY:
+        line += (f" **Warning**: `{cfg.get('model')}` is a tiny model with random weights, for tests and quick "
+                 "tries: its perplexities say that the code runs, not how a method does.")
+    return line
 
 
 def write_report(path: Path, routing: bool = True) -> tuple[Path, Path]:
