@@ -150,3 +150,25 @@ def test_the_gates_figure_takes_a_client_whose_experts_grew_between_rounds(tmp_p
     page = Page("t")
     gates_section(page, {"fedamole": {42: d}})
     assert any(b[0] == "fig" for b in page.blocks)
+
+
+def test_utility_against_epsilon_labels_every_epsilon_and_shows_the_spread_over_seeds():
+    """A log axis within one decade draws no labelled tick of its own: each epsilon run gets one;
+    the std over seeds is an error bar; a method with one noise level says so in its legend."""
+    from comix.reporting.figures import privacy_figure
+    results = {"fedavg": {1: {"metric": "test_ppl", "mean": 30.0}},
+               "fedavg:privacy.noise_multiplier=1": {1: {"metric": "test_ppl", "mean": 40.0, "epsilon": 4.87},
+                                                     2: {"metric": "test_ppl", "mean": 42.0, "epsilon": 4.87}},
+               "fedavg:privacy.noise_multiplier=2": {1: {"metric": "test_ppl", "mean": 35.0, "epsilon": 2.1}},
+               "comigs-1g1s:privacy.noise_multiplier=1": {1: {"metric": "test_ppl", "mean": 38.0, "epsilon": 4.87}}}
+    fig = privacy_figure(results)
+    ax = fig.axes[0]
+    fig.canvas.draw()
+    labels = [t.get_text() for t in ax.get_xticklabels() if t.get_text()]
+    assert labels == ["2.1", "4.87"]
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "comigs-1g1s (one noise level)" in legend and "fedavg" in legend and "fedavg, no DP" in legend
+    caps = [c for c in ax.containers if hasattr(c, "has_yerr") and c.has_yerr]
+    assert caps  # error bars drawn
+    import matplotlib.pyplot as plt
+    plt.close(fig)

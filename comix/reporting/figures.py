@@ -54,18 +54,21 @@ def plot_curves(data: dict, path: Path, per_user: bool, refs: dict | None = None
 
 
 def privacy_figure(results: dict[str, dict[int, dict]]):
-    """The task metric against epsilon, one line per method over its noise levels (noise-free runs
-    drawn as a dashed reference); None when no run added noise."""
-    points: dict[str, list[tuple[float, float]]] = {}
+    """The task metric against epsilon, one line per method over its noise levels with the
+    population std over seeds as error bars (noise-free runs drawn as a dashed reference), each
+    epsilon a labelled tick (a log axis within one decade has no labelled tick of its own); None
+    when no run added noise."""
+    points: dict[str, list[tuple[float, float, float]]] = {}
     free: dict[str, float] = {}
     for spec, by_seed in results.items():
-        mean = statistics.fmean(metric_of(r)[1] for r in by_seed.values())
+        values = [metric_of(r)[1] for r in by_seed.values()]
+        mean = statistics.fmean(values)
         method = spec.split(":")[0]
         eps = next(iter(by_seed.values())).get("epsilon")
         if eps is None:
             free[method] = mean
         else:
-            points.setdefault(method, []).append((eps, mean))
+            points.setdefault(method, []).append((eps, mean, statistics.pstdev(values)))
     if not points:
         return None
     import matplotlib
@@ -74,13 +77,16 @@ def privacy_figure(results: dict[str, dict[int, dict]]):
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
     for i, (method, pts) in enumerate(sorted(points.items())):
         pts.sort()
-        line, = ax.plot([e for e, _ in pts], [v for _, v in pts], "o-", label=method)
+        bars = ax.errorbar([e for e, _, _ in pts], [v for _, v, _ in pts], yerr=[s for _, _, s in pts], fmt="o-",
+                           capsize=3, label=method + (" (one noise level)" if len(pts) == 1 else ""))
         if method in free:
-            ax.axhline(free[method], ls="--", color=line.get_color(), lw=1, label=f"{method}, no DP")
+            ax.axhline(free[method], ls="--", color=bars.lines[0].get_color(), lw=1, label=f"{method}, no DP")
     ax.set_xscale("log")
-    from matplotlib.ticker import NullFormatter, ScalarFormatter
-    ax.xaxis.set_major_formatter(ScalarFormatter())  # 2.5, not 2.5 x 10^0
-    ax.xaxis.set_minor_formatter(NullFormatter())
+    from matplotlib.ticker import FixedLocator, NullLocator
+    ticks = sorted({float(f"{e:.3g}") for pts in points.values() for e, _, _ in pts})
+    ax.xaxis.set_major_locator(FixedLocator(ticks))  # each epsilon run, labelled as it reads
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xticks(ticks, [f"{e:g}" for e in ticks])
     ax.set_xlabel("epsilon after the last round (log)")
     ax.set_ylabel(metric_title([r for by in results.values() for r in by.values()]))
     ax.legend(fontsize=8)
