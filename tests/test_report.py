@@ -172,3 +172,24 @@ def test_utility_against_epsilon_labels_every_epsilon_and_shows_the_spread_over_
     assert caps  # error bars drawn
     import matplotlib.pyplot as plt
     plt.close(fig)
+
+
+def test_compare_curves_of_one_evaluated_iteration_are_bars_in_the_report_s_colours(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    from comix.reporting.figures import plot_curves
+    from comix.reporting.page import COLORS
+    kept = []
+    monkeypatch.setattr(plt, "close", lambda fig=None: kept.append(fig))
+    data = {"local": {"de": [(12, 30.0)], "fr": [(12, 32.0)]}, "fedavg": {"de": [(12, 28.0)], "fr": [(12, 29.0)]}}
+    assert plot_curves(data, tmp_path / "c.png", per_user=False)
+    ax = kept[-1].axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["local", "fedavg"]
+    assert [p.get_height() for p in ax.patches] == [31.0, 28.5]
+    from matplotlib.colors import to_hex
+    assert [to_hex(p.get_facecolor()) for p in ax.patches] == COLORS[:2]
+    data = {"local": {"de": [(4, 30.0), (8, 28.0)]}}  # two iterations: a curve, whole-number ticks
+    assert plot_curves(data, tmp_path / "d.png", per_user=False)
+    ax = kept[-1].axes[0]
+    assert not ax.patches and to_hex(ax.lines[0].get_color()) == COLORS[0]
+    assert all(float(t).is_integer() for t in ax.get_xticks())

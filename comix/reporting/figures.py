@@ -13,40 +13,52 @@ from ..specs import spec_dirname
 
 def plot_curves(data: dict, path: Path, per_user: bool, refs: dict | None = None,
                 ylabel: str = "test perplexity") -> bool:
-    """Learning curves, mean over users or a panel per user; False (nothing drawn) when there is
-    no curve, or a panel per user is asked for more than MANY_USERS users (1000 panels would not
-    read, nor fit Agg's 65,536-pixel limit)."""
+    """Learning curves, mean over users or a panel per user (each method the report's colour);
+    when only one iteration was evaluated, a bar per method instead of lone dots; False (nothing
+    drawn) when there is no curve, or a panel per user is asked for more than MANY_USERS users
+    (1000 panels would not read, nor fit Agg's 65,536-pixel limit)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
     from ..files import atomic_write
+    from .page import COLORS
 
     users = sorted({u for by_user in data.values() for u in by_user})
     if not users or (per_user and len(users) > MANY_USERS):  # untrained methods only (Pretrained): no curve
         return False
     panels = users if per_user else ["mean over users"]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False)
+    single = len({it for by_user in data.values() for u in by_user.values() for it, _ in u}) == 1
     for ax, panel in zip(axes[0], panels):
-        for spec, by_user in data.items():
+        names, values = [], []
+        for i, (spec, by_user) in enumerate(data.items()):
             if per_user:
                 pts = by_user.get(panel, [])
             else:
                 its = sorted({it for u in by_user.values() for it, _ in u})
                 pts = [(it, statistics.fmean(v for u in by_user.values() for i, v in u if i == it)) for it in its]
-            if pts:
-                ax.plot(*zip(*pts), marker="o", ms=3, label=spec)
+            if pts and not single:
+                ax.plot(*zip(*pts), marker="o", ms=3, color=COLORS[i % len(COLORS)], label=spec)
+            names.append(spec)
+            values.append(pts[-1][1] if pts else float("nan"))
+        if single:  # the score of the one evaluated iteration (the last), a bar per method
+            bars = ax.bar(range(len(names)), values, color=[COLORS[i % len(COLORS)] for i in range(len(names))])
+            ax.bar_label(bars, fmt="%.4g", fontsize=7)
+            ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=7)
         for spec, by_user in (refs or {}).items():
             level = by_user.get(panel) if per_user else statistics.fmean(by_user.values())
             if level is not None:
                 ax.axhline(level, ls="--", lw=1, color="grey", label=spec)
         ax.set_title(panel)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # iterations are whole numbers
+        if not single:
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # iterations are whole numbers
+            ax.set_xlabel("iteration")
         ax.ticklabel_format(axis="y", useOffset=False, style="plain")
-        ax.set_xlabel("iteration")
         ax.set_ylabel(ylabel)
-    axes[0][-1].legend(fontsize=7)
+    if not single or refs:
+        axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
     atomic_write(path, lambda p: fig.savefig(p, dpi=120, format="png"))
     plt.close(fig)
