@@ -57,8 +57,8 @@ def user_table(cells: dict[str, list[str]], users: list[str]) -> str:
     if len(users) <= MANY_USERS:
         rows = ["| method | " + " | ".join(users) + " |", "|" + "---|" * (len(users) + 1)]
         rows += [f"| {m} | " + " | ".join(c) + " |" for m, c in cells.items()]
-    else:
-        rows = ["| user | " + " | ".join(cells) + " |", "|" + "---|" * (len(cells) + 1)]
+    else:  # methods as columns: their short labels (a spec's options would widen every column)
+        rows = ["| user | " + " | ".join(short_spec(m) for m in cells) + " |", "|" + "---|" * (len(cells) + 1)]
         rows += [f"| {u} | " + " | ".join(c[i] for c in cells.values()) + " |" for i, u in enumerate(users)]
     return "\n".join(rows)
 
@@ -157,19 +157,40 @@ def privacy_table(results: dict[str, dict[int, dict]]) -> str:
     private = {spec.split(":")[0] for spec, by in results.items() if any("privacy" in r for r in by.values())}
     if not private:
         return ""
-    rows = []
+    rows, deltas = [], set()
     for spec, by_seed in results.items():
         if spec.split(":")[0] not in private:
             continue
         first = next(iter(by_seed.values()))
         p, eps = first.get("privacy"), first.get("epsilon")
-        where = "inf (no noise)" if eps is None else f"{eps:.3g} (delta {p['delta']:g})"
-        rows.append(f"| {spec} | {p['clip']:g} | {p['noise_multiplier']:g} | {where} | " if p else f"| {spec} | - | - | "
-                    "inf (no DP) | ")
+        if p and eps is not None:
+            deltas.add(p["delta"])
+        where = "inf (no noise)" if eps is None else f"{eps:.3g}"
+        rows.append(f"| {short_spec(spec)} | {p['clip']:g} | {p['noise_multiplier']:g} | {where} | " if p else
+                    f"| {short_spec(spec)} | - | - | inf (no DP) | ")
         rows[-1] += f"{_mean_std([metric_of(r)[1] for r in by_seed.values()])} |"
     title = metric_title([r for by in results.values() for r in by.values()])
-    return "\n".join([f"| method | clip | noise multiplier | epsilon | {title} (population std over seeds) |",
+    at = f" (delta {', '.join(f'{d:g}' for d in sorted(deltas))})" if deltas else ""
+    return "\n".join([f"| method | clip | noise multiplier | epsilon{at} | {title} (population std over seeds) |",
                       "|---|---|---|---|---|", *rows])
+
+
+SHORT_KEYS = {"noise_multiplier": "sigma", "target_epsilon": "epsilon"}
+
+
+def short_spec(spec: str) -> str:
+    """A method spec as a column or row label reads: the method, then each option's last key part
+    (``fedavg:privacy.clip=0.3,privacy.noise_multiplier=1`` -> ``fedavg clip=0.3 sigma=1``)."""
+    name, _, options = spec.partition(":")
+    if not options:
+        return name
+    from .config import split_outside_brackets
+    parts = []
+    for item in split_outside_brackets(options):
+        key, _, value = item.partition("=")
+        key = key.split(".")[-1]
+        parts.append(f"{SHORT_KEYS.get(key, key)}={value}")
+    return f"{name} {' '.join(parts)}"
 
 
 def _jsonl(path: Path) -> list[dict]:

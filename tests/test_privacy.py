@@ -224,7 +224,7 @@ def test_compare_sets_utility_against_epsilon_beside_the_noise_free_run():
                "local": {42: {"metric": "test_ppl", "mean": 11.0}}}
     table = privacy_table(results)
     assert "| fedavg | - | - | inf (no DP) | 10.00 |" in table
-    assert "| fedavg:privacy.noise_multiplier=1 | 0.05 | 1 | 3.5 (delta 1e-05) | 12.00 |" in table
+    assert "| fedavg sigma=1 | 0.05 | 1 | 3.5 | 12.00 |" in table and "| epsilon (delta 1e-05) |" in table
     assert "local" not in table  # a method never run privately has no row
     assert privacy_table({"fedavg": results["fedavg"]}) == ""
 
