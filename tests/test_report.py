@@ -192,3 +192,16 @@ def test_compare_curves_of_one_evaluated_iteration_are_bars_in_the_report_s_colo
     ax = kept[-1].axes[0]
     assert not ax.patches and to_hex(ax.lines[0].get_color()) == COLORS[0]
     assert all(float(t).is_integer() for t in ax.get_xticks())
+
+
+def test_the_gates_of_many_clients_are_drawn_four_to_a_row_and_the_caption_names_those_left_out(tmp_path):
+    from comix.reporting import Page, gates_section
+    users = [f"client{i:02d}" for i in range(10)]
+    rows = [{"round": r, "user": u, "gates": [[0.4, 0.6], [0.5, 0.5]]} for r in (1, 2) for u in users]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    page = Page("t")
+    gates_section(page, {"comigs-1g1s": {1: tmp_path}})
+    fig_block = next(b for b in page.blocks if b[0] == "fig")
+    caption = fig_block[3]
+    assert "first 8 of 10 clients (client00 to client07)" in caption
+    assert not page.overlaps  # tick labels readable: four users a row, not ten squeezed into one

@@ -158,8 +158,17 @@ def gates_section(page: Page, runs: dict[str, dict[int, Path]]) -> None:
                     "the method has one) on a validation batch, per user, by evaluated round: averaged over layers "
                     "(top) and per layer at the last round (bottom). CoMiGS Fig. 4 / 10.")
             drawn = True
-        users = list(dict.fromkeys(r["user"] for r in rows))[:8]
-        fig, axes = plt.subplots(2, len(users), figsize=(max(6.0, 3 * len(users)), 5.6), squeeze=False)
+        everyone = list(dict.fromkeys(r["user"] for r in rows))
+        users = everyone[:GATE_USERS]
+        cols = min(GATE_COLUMNS, len(users))
+        blocks = -(-len(users) // cols)  # rows of `cols` users, two panels each (by round, per layer)
+        fig, grid = plt.subplots(2 * blocks, cols, figsize=(max(6.0, 3.2 * cols), 5.6 * blocks), squeeze=False,
+                                 layout="constrained")  # titles, labels and the colour bar kept apart
+        pairs = [[grid[2 * (j // cols), j % cols], grid[2 * (j // cols) + 1, j % cols]] for j in range(len(users))]
+        used = {id(ax) for pair in pairs for ax in pair}
+        for ax in grid.flat:
+            ax.set_visible(id(ax) in used)
+        axes = _Columns(pairs)
         for j, user in enumerate(users):
             mine = sorted((r["round"], r["gates"]) for r in rows if r["user"] == user)
             # FedAMoLE gives each module its own number of expert slots (eq. 21's K_c differs by
@@ -179,15 +188,31 @@ def gates_section(page: Page, runs: dict[str, dict[int, Path]]) -> None:
             axes[1, j].set_xlabel("layer", fontsize=8)
             axes[1, j].xaxis.set_major_locator(plt.MaxNLocator(5, integer=True))
             axes[1, j].yaxis.set_major_locator(plt.MaxNLocator(integer=True))
-            for ax in axes[:, j]:
+            for ax in (axes[0, j], axes[1, j]):
                 ax.tick_params(labelsize=7)
         axes[0, 0].legend(fontsize=7)
         axes[0, 0].set_ylabel("mean gate", fontsize=8)
         axes[1, 0].set_ylabel("expert", fontsize=8)
-        bar = fig.colorbar(im, ax=axes[1, :].tolist(), shrink=0.8)
+        bar = fig.colorbar(im, ax=[axes[1, j] for j in range(len(users))], shrink=0.8)
         bar.set_label("mean gate (last round)", fontsize=8)
+        left_out = (f"; drawn for the first {len(users)} of {len(everyone)} clients ({users[0]} to {users[-1]}), "
+                    "every client's gates are in its metrics.jsonl") if len(everyone) > len(users) else ""
         page.fig(fig, f"gates-{_slug(spec)}.png", f"{spec}: mean gate per expert by round (top), per layer at the "
-                                                  "last round (bottom)")
+                                                  f"last round (bottom){left_out}")
+
+
+GATE_USERS, GATE_COLUMNS = 8, 4  # users drawn, and per row of the figure (a 1100 px page reads 4)
+
+
+class _Columns:
+    """``axes[k, j]``: user j's panel k (0: by round, 1: per layer), wherever the grid put it."""
+
+    def __init__(self, pairs):
+        self.pairs = pairs
+
+    def __getitem__(self, key):
+        k, j = key
+        return self.pairs[j][k]
 
 
 def traffic_section(page: Page, runs: dict[str, dict[int, Path]]) -> None:
