@@ -77,7 +77,7 @@ class RunConfig:
     threads: int = 0                   # torch threads; 0 = torch's default
     device: str = "auto"               # auto (CUDA when present) | cpu | cuda | cuda:N
     precision: str = "fp32"            # fp32 | bf16 | fp16 (comix/runtime.py: fp32 adapter masters)
-    # the frozen base's block linears: none | int8 | nf4 (QLoRA; models/quant.py), one per client
+    # the frozen base's block linears: none | int8 | q4 | nf4 (models/quant.py), one per client
     # ([none, nf4, ...]), or auto: each device of the fleet the least-compressed that fits it (comix/fleet.py)
     quant: str | list[str] = "none"
     # slices each training batch is computed in (gradient accumulation: one optimiser step a batch,

@@ -30,7 +30,7 @@ class Runtime:
     device: torch.device = torch.device("cpu")
     precision: str = "fp32"
     compile: bool = False
-    # the frozen base's linears: none | int8 | nf4 (models/quant.py), or one per client (a fleet's
+    # the frozen base's linears: none | int8 | q4 | nf4 (models/quant.py), or one per client (a fleet's
     # plan, comix/fleet.py: each device's base at the precision its memory budget allows)
     quant: str | tuple[str, ...] = "none"
     # slices a training batch is computed in (gradient accumulation, one step per batch), or one

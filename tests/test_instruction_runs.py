@@ -239,7 +239,7 @@ def test_evaluation_runs_without_dropout_and_restores_the_mode(tok):
     train = TrainConfig(eval_splits=["valid", "test"], eval_batch_size=4)
     model.train()
     first, second = evaluate(model, users[0], train), evaluate(model, users[0], train)
-    assert first == second and set(first) == {"valid_ppl", "test_ppl", "test_acc"} and model.training
+    assert first == second and set(first) == {"valid_ppl", "test_ppl", "test_acc", "test_predicted"} and model.training
 
 
 @pytest.mark.parametrize("rouge", ["rouge", "rouge-score"])

@@ -128,7 +128,7 @@ def test_quant_is_checked_before_anything_loads(tmp_path, capsys, monkeypatch):
     from comix.cli import main
     monkeypatch.setattr(comix.models, "load_base_model", lambda *a, **k: pytest.fail("model loaded"))
     assert main(["run", "model=tiny-llama", "quant=nf3", f"run_dir={tmp_path / 'a'}"]) == 2
-    assert "quant must be one of none, int8, nf4, auto (with a fleet) or one per client, got 'nf3'" in capsys.readouterr().err
+    assert "quant must be one of none, int8, q4, nf4, auto (with a fleet) or one per client, got 'nf3'" in capsys.readouterr().err
     assert main(["run", "model=tiny-llama", "quant=nf4", "methods=[deepfusion]", "train.rounds=1",
                  "data.public_frac=0.1", "deepfusion.devices=[random-gpt2:2:64]", f"run_dir={tmp_path / 'b'}"]) == 2
     assert "quant=nf4 with deepfusion: device model(s) random-gpt2:2:64 start from random weights" \

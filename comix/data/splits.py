@@ -41,9 +41,7 @@ class SplitConfig:
     train_tokens: list[int] | None = None  # per-user training-token budget (quantity skew)
     valid_tokens: int | None = None        # cap per user (the router's validation set is small)
     test_tokens: int | None = None         # cap per user; perplexity runs over the whole capped split
-    # document-split / partition seed: independent of the training seed, or "run": the run's
-    # seed, so that each seed of a compare grid draws its own partition and test set
-    seed: int | str = 0
+    seed: int | str = 0                    # document-split / partition seed; "run": each grid seed its own split
     users: list[str] | None = None         # categories to use, in user order (default: all)
     clients: int = 0                       # > 0: that many clients with Dirichlet mixtures of the categories
     alpha: float = 1.0                     # Dirichlet concentration of those mixtures
@@ -342,7 +340,7 @@ def describe_partition(users: list[UserData]) -> dict:
                 for ex in split.examples:
                     cats[ex.category] = cats.get(ex.category, 0) + 1
                 row[s]["categories"] = dict(sorted(cats.items()))
-                if u.task == "classification":  # what the trivial baselines read (comparison.py)
+                if u.task == "classification":  # the trivial baselines' input (comparison.py)
                     row[s]["labels"] = {c: sum(ex.output == c for ex in split.examples) for c in u.choices}
         out[u.name] = row
     return out
@@ -359,9 +357,8 @@ def check_seq_len(users: list[UserData], seq_len: int) -> None:
 
 
 def sample_batch(tokens: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator):
-    """Random windows as in nanoGPT: inputs x and next-token targets y, each (batch, seq_len).
-    A split of instruction examples samples itself (``InstructionSplit.sample``: whole
-    examples, targets -100 off the response)."""
+    """Random windows as in nanoGPT: inputs x and next-token targets y, each (batch, seq_len). A split of
+    instruction examples samples itself (``InstructionSplit.sample``: whole examples, targets -100 off the response)."""
     if hasattr(tokens, "sample"):
         return tokens.sample(batch_size, generator)
     if len(tokens) < seq_len + 1:

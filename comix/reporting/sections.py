@@ -92,7 +92,10 @@ def curves_section(page: Page, runs: dict[str, dict[int, Path]]) -> None:
         page.fig(fig, "curves.png", f"{label} {'per evaluated round' if len(rounds) > 1 else 'of each method'}, "
                                     "mean over users and seeds")
         if 1 < len(users) <= 8:
-            page.fig(_per_user_figure(data, users, rounds, label), "curves-per-user.png", "the same, one panel per user")
+            per_user_refs = {spec: {u: m.get(metric) for u, m in by[min(by)]["per_user"].items() if m.get(metric) is not None}
+                             for spec, by in results_of(runs).items() if spec in refs}
+            page.fig(_per_user_figure(data, users, rounds, label, per_user_refs), "curves-per-user.png",
+                     "the same, one panel per user")
     loss = _per_round(runs, lambda r: r.get("train_loss"))
     if loss:
         fig, ax = plt.subplots(figsize=(7, 3.4))
@@ -108,7 +111,9 @@ def curves_section(page: Page, runs: dict[str, dict[int, Path]]) -> None:
         page.fig(fig, "train-loss.png", "mean training loss of the round's local steps, mean over users and seeds")
 
 
-def _per_user_figure(data, users, rounds, label):
+def _per_user_figure(data, users, rounds, label, refs=None):
+    """One panel per user: curves over rounds, or (one evaluated round) a bar per method from 0 with
+    its value on it and its name below; references (Pretrained) as grey dashed lines."""
     plt = plt_()
     cols = min(4, len(users))
     nrows = (len(users) + cols - 1) // cols
@@ -123,11 +128,15 @@ def _per_user_figure(data, users, rounds, label):
             round_axis(ax, rounds)
             if k // cols == nrows - 1 or k + cols >= len(users):
                 ax.set_xlabel("round", fontsize=8)
-        else:
+        else:  # bars from 0, as the mean chart: their values written on them carry the differences
             values = [statistics.fmean(next(iter(data[s][user].values()))) for s in specs]
-            ax.bar(range(len(specs)), values, color=[COLORS[list(data).index(s) % len(COLORS)] for s in specs])
-            ax.set_xticks([])
-            ax.set_ylim(min(values) * 0.98, max(values) * 1.02)
+            bars = ax.bar(range(len(specs)), values, color=[COLORS[list(data).index(s) % len(COLORS)] for s in specs])
+            ax.bar_label(bars, fmt="%.4g", fontsize=6)
+            ax.set_xticks(range(len(specs)), specs, rotation=30, ha="right", fontsize=6)
+            ax.set_ylim(0, max(values + [v.get(user, 0) for v in (refs or {}).values()]) * 1.15)
+        for spec, by_user in (refs or {}).items():
+            if user in by_user:
+                ax.axhline(by_user[user], ls="--", lw=1, color="grey")
         ax.yaxis.set_major_locator(plt.MaxNLocator(4))
         ax.tick_params(labelsize=7)
         ax.set_title(user, fontsize=9)
@@ -135,8 +144,12 @@ def _per_user_figure(data, users, rounds, label):
             ax.set_ylabel(label, fontsize=8)
     for ax in list(axes.flat)[len(users):]:
         ax.axis("off")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=COLORS[i % len(COLORS)]) for i in range(len(data))]
-    fig.legend(handles, list(data), fontsize=7, loc="upper right", ncol=min(4, len(data)))
+    handles = [plt.Line2D([], [], color=COLORS[i % len(COLORS)]) for i in range(len(data))]
+    names = list(data)
+    if refs:
+        handles.append(plt.Line2D([], [], ls="--", color="grey"))
+        names.append(" / ".join(refs) + " (dashed)")
+    fig.legend(handles, names, fontsize=7, loc="upper center", ncol=min(5, len(names)))
     fig.tight_layout(rect=(0, 0, 1, 0.9))
     return fig
 
