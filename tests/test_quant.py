@@ -78,12 +78,7 @@ def test_gradients_reach_the_adapters_and_never_the_quantised_base(quant, adapte
 
 def test_nf4_and_int8_shrink_the_block_linears():
     """On one block of SmolLM2-135M's widths (tiny-llama's 32-wide layers are all per-layer overhead)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    def block():
-        torch.manual_seed(0)
-        return LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=576, intermediate_size=1536, num_hidden_layers=1,
-                                            num_attention_heads=9, num_key_value_heads=3))
+    from conftest import smollm2_block as block
     full = block()
     linear = sum(m.weight.numel() * 4 for m in full.model.layers.modules() if isinstance(m, torch.nn.Linear))
     other = base_bytes(full) - linear  # embeddings, norms, head: not quantised

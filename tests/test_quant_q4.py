@@ -57,12 +57,7 @@ def test_q4_gradients_reach_the_adapters_and_never_the_base(adapters):
 
 
 def test_q4_stores_a_fifth_of_the_fp32_linears_counting_its_scales_and_zeros():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    def block():
-        torch.manual_seed(0)
-        return LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=576, intermediate_size=1536, num_hidden_layers=1,
-                                            num_attention_heads=9, num_key_value_heads=3))
+    from conftest import smollm2_block as block
     full = block()
     linear = sum(m.weight.numel() * 4 for m in full.model.layers.modules() if isinstance(m, torch.nn.Linear))
     other = base_bytes(full) - linear
