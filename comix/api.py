@@ -347,12 +347,14 @@ def compare(config=None, *overrides: str, methods=None, seeds=None, resume=None,
 
 
 def export(run_dir, user: str | None, out, method: str | None = None, merged: bool = False,
-           static: bool = False, with_base: bool | None = None) -> Path:
+           static: bool = False, with_base: bool | None = None, format: str = "comix",
+           precision: str | None = None, max_len: int | None = None) -> Path:
     """``user``'s model of a finished run (PEFT folders where the method has them) or the run's
-    global model (DeepFusion, FedJETS; ``user`` None), with a manifest (comix/personal/); returns ``out``."""
+    global model (DeepFusion, FedJETS; ``user`` None), with a manifest (comix/personal/); returns ``out``.
+    ``format="executorch"`` (precision fp32 | int8) or ``"gguf"`` (f16 | q8_0): the file a device runs."""
     from .personal import export_personal
     return export_personal(Path(run_dir), user, Path(out), method=method, merged=merged, static=static,
-                           with_base=with_base)
+                           with_base=with_base, format=format, precision=precision, max_len=max_len)
 
 
 def load_personal(folder, base=None):

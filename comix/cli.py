@@ -136,8 +136,18 @@ def cmd_data(args) -> int:
 def cmd_export(args) -> int:
     from .personal import export_personal
     out = export_personal(Path(args.dir), args.user, Path(args.out), method=args.method, merged=args.merged,
-                          static=args.static, with_base=args.with_base or None)
+                          static=args.static, with_base=args.with_base or None, format=args.format,
+                          precision=args.precision, max_len=args.max_len)
     man = json.loads((out / "manifest.json").read_text())
+    if man["kind"] in ("executorch", "gguf"):
+        f = man["file"]
+        name = f.get("pte") or f.get("gguf")
+        print(f"exported {man['method']} / {man['user']} as {man['kind']} {man['precision']} to {out}/{name} "
+              f"({f['bytes'] / 1e6:.2f} MB, tokenizer beside it)")
+        print(f"  run it: {man['run'].format(out=out)}")
+        if man.get("caveat"):
+            print(f"  note: {man['caveat']}")
+        return 0
     print(f"exported {man['method']} / {man.get('user', 'every user')} ({man['kind']}) to {out}")
     if man["kind"] == "lora":
         print(f"  PEFT: PeftModel.from_pretrained(base, '{out}')" + (f"; merged model: {out}/merged" if args.merged else ""))
@@ -176,6 +186,11 @@ def cmd_generate(args) -> int:
               (f" (a tiny model with random weights: its text says that the code runs, not what a method learnt)"
                if base in TINY else ""), file=sys.stderr)
     ids = tok(args.prompt, return_tensors="pt")["input_ids"]
+    from .personal.device import PteModel
+    if isinstance(model, PteModel):  # an ExecuTorch program: greedy, run by ExecuTorch's runtime
+        print(args.prompt + tok.decode(model.generate(ids[0], args.max_new_tokens, tok.eos_token_id),
+                                       skip_special_tokens=True))
+        return 0
     with torch.inference_mode():
         out = model.generate(input_ids=ids, max_new_tokens=args.max_new_tokens, do_sample=False,
                              pad_token_id=tok.pad_token_id or tok.eos_token_id)
@@ -282,6 +297,12 @@ def main(argv=None) -> int:
     e.add_argument("--with-base", action="store_true",
                    help="also base/, the base model as a transformers folder that every PEFT folder names (default "
                         "for the tiny models comix builds): AutoPeftModelForCausalLM then loads the export offline")
+    e.add_argument("--format", default="comix", choices=["comix", "executorch", "gguf"],
+                   help="comix: adapters, PEFT folders and a manifest; executorch: the whole personalised model, routers "
+                        "included, as an ExecuTorch .pte (XNNPACK); gguf: a plain-LoRA model merged, for llama.cpp / Ollama")
+    e.add_argument("--precision", help="executorch: fp32 (default) | int8 (XNNPACK's quantiser); gguf: f16 (default) | q8_0")
+    e.add_argument("--max-len", type=int, help="executorch: positions of the program's KV cache (default: the "
+                                                "model's context, at most 512)")
     e.add_argument("--static", action="store_true",
                    help="mixtures: also one PEFT adapter of the experts at the user's mean gate (static/, approximate)")
     rp = sub.add_parser("report", help="report.html and report.md of a run or compare folder (tables, curves, "
@@ -290,7 +311,8 @@ def main(argv=None) -> int:
     rp.add_argument("--no-routing", action="store_true", help="skip the token routing maps (they rebuild each user model)")
     sub.add_parser("recipes", help="the built-in recipes (comix run <name> runs one from any directory)")
     g = sub.add_parser("generate", help="a greedy completion from an exported model")
-    g.add_argument("dir", help="a `comix export` folder, a PEFT LoRA folder or a (merged) model folder")
+    g.add_argument("dir", help="a `comix export` folder (an ExecuTorch or GGUF export too), a .pte of one, a PEFT "
+                              "LoRA folder or a (merged) model folder")
     g.add_argument("prompt")
     g.add_argument("--max-new-tokens", type=int, default=40)
     args = ap.parse_args(argv)

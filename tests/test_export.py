@@ -309,6 +309,10 @@ def test_layers_without_a_peft_form_and_global_models_export_and_reload(tmp_path
     saved = AutoModelForCausalLM.from_pretrained(str(df / "deepfusion" / "global-moe")).eval()
     assert type(model).__name__ == "MixtralForCausalLM" and tok is not None
     assert torch.equal(_logits(model, ids), _logits(saved, ids))
+    # no device form of the server's global MoE: one line, nothing written
+    with pytest.raises(ExportError, match="global MoE"):
+        export_personal(df, None, tmp_path / "df-pte", format="gguf")
+    assert not (tmp_path / "df-pte").exists()
     # a method with a model per user needs --user (one line)
     assert main(["export", str(run), "--method", "fedprompt", "--out", str(tmp_path / "x")]) == 2
 

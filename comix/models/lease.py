@@ -60,6 +60,15 @@ class LeaseLinear(nn.Module):
         self.scaling = cfg.scaling
         self.dropout = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
         nn.init.kaiming_uniform_(self.lease_router.weight, a=math.sqrt(5))  # the authors' reset_parameters
+        self.fixed_state: tuple[int, int] | None = None
+
+    def fix_structure(self) -> None:
+        """Read (M, g) once as Python ints: ``torch.export`` cannot branch on a parameter's value
+        (an on-device export of the trained layer, comix/personal/device.py); training leaves it unset."""
+        self.fixed_state = (int(self.lease_state[0]), int(self.lease_state[1]))
+
+    def _state(self) -> tuple[int, int]:
+        return self.fixed_state or (int(self.lease_state[0]), int(self.lease_state[1]))
 
     @property
     def weight(self):
@@ -67,7 +76,7 @@ class LeaseLinear(nn.Module):
 
     def expert_weights(self, x: torch.Tensor) -> torch.Tensor:
         """(..., M): each expert's summed top-M weight per token."""
-        m, own = int(self.lease_state[0]), int(self.lease_state[1])
+        m, own = self._state()
         if m == 1:
             return torch.ones(*x.shape[:-1], 1, dtype=x.dtype, device=x.device)
         # the router outputs of an M-expert layer: experts 0..M-1, then M - 1 for the own expert
@@ -80,7 +89,7 @@ class LeaseLinear(nn.Module):
         return torch.zeros_like(p[..., :m]).scatter_add_(-1, expert_of[idx], top).to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        m = int(self.lease_state[0])
+        m = self._state()[0]
         w = self.expert_weights(x)                                        # (..., M)
         a = torch.stack([e.lora_A for e in self.lease_experts[:m]])
         b = torch.stack([e.lora_B for e in self.lease_experts[:m]])

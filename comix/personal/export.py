@@ -86,14 +86,55 @@ def _check_merged(method_dir: Path, user: str) -> None:
                           "--static for one approximate adapter, or comix.load_personal for the exact model")
 
 
+def _adapter_roles(method_dir: Path, user: str) -> set[str]:
+    """The roles of ``user``'s stored adapters, read from the file's names (no tensor loaded)."""
+    from safetensors import safe_open
+
+    from ..models import param_role
+    file = method_dir / "adapters" / f"{user}.safetensors"
+    if not file.exists():
+        return set()  # rebuild names the missing user
+    with safe_open(str(file), "pt") as f:
+        return {param_role(n) for n in f.keys()}
+
+
+def _export_device(method_dir: Path, user: str | None, out: Path, fmt: str, precision: str | None,
+                   max_len: int | None) -> Path:
+    """``user``'s model as an ExecuTorch program or a GGUF file (comix/personal/formats.py); every
+    refusal is one line before the model is rebuilt."""
+    from ..config import load_config
+    from ..models.base import model_config
+    from .formats import device_refusal, write_device
+    cfg = load_config(str(run_config(method_dir)))
+    config = model_config(cfg.model)
+    architecture = (config.architectures or [type(config).__name__.replace("Config", "ForCausalLM")])[0]
+    global_model = _scored_on_server(method_dir)
+    roles = set() if global_model or not user else _adapter_roles(method_dir, user)
+    why = device_refusal(fmt, precision, roles, None if global_model else _kind(roles), architecture)
+    if why:
+        raise ExportError(why)
+    if not user:
+        raise ExportError(f"--user is needed: {method_dir.name} keeps a model per user "
+                          f"(users: {', '.join(_users_in_order(method_dir))})")
+    model, tok, info = rebuild(method_dir, user)
+    manifest = {"method": info["spec"], "user": user, "client": info["client"], "n_clients": info["n_clients"],
+                "base": {"spec": cfg.model, "sha256": info["base_sha256"]}}
+    if info["algorithm"].export_caveat:
+        manifest["caveat"] = info["algorithm"].export_caveat
+    return _into(out, lambda tmp: write_device(tmp, fmt, precision, model, tok, manifest, cfg, max_len))
+
+
 def export_personal(path: Path, user: str | None, out: Path, method: str | None = None, merged: bool = False,
-                    static: bool = False, with_base: bool | None = None) -> Path:
+                    static: bool = False, with_base: bool | None = None, format: str = "comix",
+                    precision: str | None = None, max_len: int | None = None) -> Path:
     """Write ``user``'s model of the run at ``path`` to ``out`` (see the package docstring);
     everything goes to a temporary sibling first and is renamed at the end. Returns ``out``.
     ``with_base`` (default: for the models comix builds itself, whose names no hub resolves) adds
     ``base/``, the base model as a transformers folder, and points every PEFT folder's
     ``base_model_name_or_path`` at it, so ``AutoPeftModelForCausalLM.from_pretrained`` loads an
-    export offline."""
+    export offline. ``format`` "executorch" | "gguf": the file a device runtime loads instead
+    (comix/personal/formats.py) at ``precision`` (fp32 | int8; f16 | q8_0), ExecuTorch's KV cache
+    ``max_len`` positions long."""
     from safetensors.torch import save_file
 
     from ..models.base import TINY
@@ -102,6 +143,10 @@ def export_personal(path: Path, user: str | None, out: Path, method: str | None 
     if out.exists():
         raise ExportError(f"--out {out} exists: choose a new folder (nothing is overwritten)")
     method_dir = resolve_method_dir(path, method)
+    if format != "comix":
+        return _export_device(method_dir, user, out, format, precision, max_len)
+    if precision is not None or max_len is not None:
+        raise ExportError("--precision and --max-len are for --format executorch | gguf")
     if _scored_on_server(method_dir):
         return _export_global(method_dir, out)
     if not user:

@@ -44,11 +44,18 @@ def load_personal(folder: str | Path, base: nn.Module | None = None):
 
 def load_any(folder: str | Path):
     """(model, tokenizer) of what ``comix generate`` is given: a ``comix export`` folder (exact,
-    ``load_personal``), a plain PEFT LoRA folder (its ``base_model_name_or_path``: a folder, a hub id
-    or one of comix's built-in model names) or a merged / plain transformers model folder."""
+    ``load_personal``; a device export: its ExecuTorch program, a ``PteModel``, or its GGUF file read
+    back by transformers), a ``.pte`` file of one, a plain PEFT LoRA folder (its
+    ``base_model_name_or_path``: a folder, a hub id or one of comix's built-in model names) or a
+    merged / plain transformers model folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .formats import is_device_export, load_device
     folder = Path(folder)
+    if folder.suffix == ".pte" and folder.is_file():
+        folder = folder.parent  # the program of a device export: its tokenizer and manifest beside it
+    if is_device_export(folder):
+        return load_device(folder)[:2]
     if (folder / MANIFEST).exists():
         return load_personal(folder)
     if (folder / "adapter_config.json").exists():
