@@ -162,6 +162,21 @@ def test_gguf_read_back_by_transformers_gives_the_merged_model(run, tmp_path, pr
     assert reread(text)["input_ids"] == comix_tok(text)["input_ids"]
 
 
+def test_a_qwen2_user_writes_as_qwen2_with_its_biases(tmp_path):
+    """Qwen2 (no rope permutation, biased q/k/v): read back with the merged model's logits."""
+    from comix.personal.formats import load_device
+    run = tmp_path / "run"
+    tiny = [a for a in TINY if not a.startswith("model=")]
+    assert main(["run", f"corpus={_user_dirs(tmp_path / 'data')}", f"run_dir={run}", "methods=[fedavg]",
+                 "model=tiny-qwen2", *tiny]) == 0
+    model, _, man = load_device(export_personal(run, "bob", tmp_path / "g", format="gguf"))
+    assert man["file"]["architecture"] == "qwen2"
+    ids = _held_out()
+    ref, _, _ = rebuild(resolve_method_dir(run, "fedavg"), "bob")
+    with torch.no_grad():
+        assert (model(input_ids=ids).logits - ref(input_ids=ids).logits).abs().max() < 2e-3
+
+
 def test_the_q_and_k_rows_are_in_ggml_s_rope_order(run, tmp_path):
     """GGML's rope pairs neighbouring rows; Hugging Face's pairs row i with i + d/2: the writer
     permutes them (a file without the permutation loads with other logits)."""

@@ -103,11 +103,14 @@ def load_device(folder: Path):
     import functools
 
     from transformers import modeling_gguf_pytorch_utils as reader
+    from transformers.utils import logging as hf_logging
     bar = reader.tqdm  # transformers' GGUF reader draws a plain tqdm bar over the tensors: not on one small file
     reader.tqdm = functools.partial(bar, disable=True)
+    hf_logging.disable_progress_bar()  # and its "Loading weights" bar
     try:
         model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=man["file"]["gguf"]).eval()
     finally:
         reader.tqdm = bar
+        hf_logging.enable_progress_bar()
     return model, tok, man
 
