@@ -37,9 +37,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "results" / "device-export.json"
-ROWS = [("fedavg", "comix", "fp32"), ("fedavg", "executorch", "fp32"), ("fedavg", "executorch", "int8"),
-        ("fedavg", "gguf", "f16"), ("fedavg", "gguf", "q8_0"),
-        ("comigs-1g1s", "comix", "fp32"), ("comigs-1g1s", "executorch", "fp32"), ("comigs-1g1s", "executorch", "int8")]
+# int8 last: its lowering is the slow one (a file is written after every row)
+ROWS = [("fedavg", "comix", "fp32"), ("fedavg", "executorch", "fp32"), ("fedavg", "gguf", "f16"),
+        ("fedavg", "gguf", "q8_0"), ("comigs-1g1s", "comix", "fp32"), ("comigs-1g1s", "executorch", "fp32"),
+        ("fedavg", "executorch", "int8"), ("comigs-1g1s", "executorch", "int8")]
 
 
 def windows(tokens: torch.Tensor, seq_len: int) -> list[torch.Tensor]:
@@ -83,7 +84,8 @@ def pte_model(pte):
 
 
 def llama_cpp_model(path: Path, n_ctx: int):
-    """llama.cpp through llama-cpp-python: every position's logits, and greedy tokens."""
+    """llama.cpp through llama-cpp-python: every position's logits, greedy tokens, and the model
+    (closed by the caller: llama-cpp-python's own finaliser fails at interpreter exit)."""
     from llama_cpp import Llama
     llm = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=os.cpu_count(), logits_all=True, verbose=False)
 
@@ -100,7 +102,7 @@ def llama_cpp_model(path: Path, n_ctx: int):
             if len(out) == n:
                 break
         return out
-    return logits, generate
+    return logits, generate, llm
 
 
 def measure(logits, generate, wins, prompt, new_tokens) -> dict:
@@ -161,8 +163,10 @@ def main(argv=None) -> int:
                 logits, _ = torch_model(loaded, tok.eos_token_id)
                 row["ppl"] = measure(logits, lambda ids, n: [], wins, prompt[:1], 0)["ppl"]
                 if llama_version:
-                    got = measure(*llama_cpp_model(folder / "model.gguf", cfg.train.seq_len + args.new_tokens + 64),
-                                  wins, prompt, args.new_tokens)
+                    logits, generate, llm = llama_cpp_model(folder / "model.gguf",
+                                                            cfg.train.seq_len + args.new_tokens + 64)
+                    got = measure(logits, generate, wins, prompt, args.new_tokens)
+                    llm.close()
                     row.update(llama_cpp_ppl=got["ppl"], tokens_per_s=got["tokens_per_s"], greedy=got["greedy"],
                                new_tokens=got["new_tokens"])
         reference = next((r for r in rows if r["method"] == method and r["format"] == "comix"), row)
@@ -173,9 +177,16 @@ def main(argv=None) -> int:
               f"{row.get('tokens_per_s', float('nan')):.1f} tokens/s, "
               f"{(row['file_bytes'] or 0) / 1e6:.1f} MB", flush=True)
         rows.append(row)
-    for row in rows:
-        row.pop("greedy", None)
-    OUT.write_text(json.dumps({
+        write(rows, args, cfg, llama_version, argv)
+    print(f"wrote {OUT}")
+    return 0
+
+
+def write(rows: list[dict], args, cfg, llama_version, argv) -> None:
+    """The result file so far (temp file, then rename): a bench stopped in a slow row keeps the rest."""
+    rows = [{k: v for k, v in row.items() if k != "greedy"} for row in rows]
+    tmp = OUT.with_suffix(".tmp")
+    tmp.write_text(json.dumps({
         "command": "python bench/device_export.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "base": cfg.model, "user": args.user, "seq_len": cfg.train.seq_len, "new_tokens": args.new_tokens,
         "machine": f"{os.cpu_count()} cores of an {cpu_name()}, alone",
@@ -183,8 +194,7 @@ def main(argv=None) -> int:
         "executorch": __import__("importlib.metadata").metadata.version("executorch"), "llama_cpp": llama_version,
         "seconds": time.perf_counter() - footprint.START, "peak_rss_mb": footprint.peak_rss_mb(), "rows": rows},
         indent=1) + "\n")
-    print(f"wrote {OUT}")
-    return 0
+    os.replace(tmp, OUT)
 
 
 if __name__ == "__main__":

@@ -654,7 +654,35 @@ def cohort_runs_table(folder: Path) -> str:
 BENCH_DIRS = {"cohort-cpu-runs": cohort_runs_table}  # a bench folder of whole runs, not a case
 
 
-BENCH_FILES = {"cohort-cpu-fp32.json": cohort_table, "layer-speed.md": layer_speed_table, "layer-speed-full.md": layer_speed_table,  # written by a bench
+def device_export_table(text: str) -> str:
+    """bench/device_export.py's result file: per user model, format and precision, the file's size,
+    perplexity on the user's test split (and llama.cpp's, where it ran) against comix's own model,
+    greedy tokens/s on the CPU and whether the greedy tokens equal comix's."""
+    r = json.loads(text)
+    rows = []
+    for x in r["rows"]:
+        size = "-" if x["file_bytes"] is None else f"{x['file_bytes'] / 1e6:,.1f}"
+        ppl = f"{x['ppl']:.3f} ({100 * x['ppl_vs_comix']:+.2f} %)"
+        if "llama_cpp_ppl" in x:
+            ppl += f"; llama.cpp {x['llama_cpp_ppl']:.3f}"
+        speed = f"{x['tokens_per_s']:.1f}" if "tokens_per_s" in x else "-"
+        same = {True: "yes", False: "no"}.get(x.get("greedy_equals_comix"), "-") if x["format"] != "comix" else ""
+        export = f"{x['export_s']:.0f}" if "export_s" in x else "-"
+        where = {"comix": "PyTorch (comix)", "executorch": f"ExecuTorch, XNNPACK {x.get('xnnpack') or ''}".strip(),
+                 "gguf": "GGUF" + (" (llama.cpp)" if "llama_cpp_ppl" in x else " (transformers' reader)")}[x["format"]]
+        rows.append(f"| {x['method']} | {where} | {x['precision']} | {size} | {ppl} | {speed} | {same} | {export} |")
+    llama = f", llama-cpp-python {r['llama_cpp']}" if r.get("llama_cpp") else ", llama.cpp not installed"
+    return "\n".join([f"`{r['command'].strip()}`: {r['base']}, user {r['user']}, perplexity over the test split in "
+                      f"windows of {r['seq_len']} tokens, {r['new_tokens']} greedy tokens after 32 (median of 3 "
+                      f"after a warm-up); {r['machine']}, {r['date']}, torch {r['torch']}, executorch "
+                      f"{r['executorch']}{llama}; the bench took {r['seconds'] / 60:.1f} min, peak RSS "
+                      f"{r['peak_rss_mb'] / 1024:.1f} GB.", "",
+                      "| user model | runtime | precision | file (MB) | perplexity (vs comix) | tokens/s | "
+                      "greedy tokens = comix's | export (s) |",
+                      "|---|---|---|---:|---:|---:|---|---:|", *rows])
+
+
+BENCH_FILES = {"device-export.json": device_export_table, "cohort-cpu-fp32.json": cohort_table, "layer-speed.md": layer_speed_table, "layer-speed-full.md": layer_speed_table,  # written by a bench
                "layer-speed-h200-bf16.md": layer_speed_table,
                "vaa-attribution.json": vaa_attribution_table, "vaa-attribution-long.json": vaa_attribution_table}
 

@@ -106,7 +106,7 @@ def test_a_graph_xnnpack_cannot_take_whole_is_lowered_per_operator(monkeypatch, 
     class Lowered:
         buffer = b"pte"
 
-    def lower(program, per_op):
+    def lower(program, per_op, quantised=False):
         calls.append(per_op)
         if not per_op:
             raise RuntimeError("Output node 'aten_mul_tensor_1' is already in the inputs")
@@ -122,7 +122,7 @@ def test_int8_program_is_within_one_percent_of_comix_s_perplexity(run, pte):
     from comix.personal.formats import load_device
     out = pte("comigs-1g1s", "int8")
     pte, _, man = load_device(out)
-    assert man["precision"] == "int8" and man["file"]["xnnpack"] == "per-op"
+    assert man["precision"] == "int8" and man["file"]["xnnpack"] == "whole-graph"
     ids = _held_out(120)
     want, got = _comix_logits(run, "comigs-1g1s", ids), pte.logits(ids[0])
     assert _ppl(got, ids) == pytest.approx(_ppl(want, ids), rel=0.01)

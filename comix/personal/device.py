@@ -83,10 +83,15 @@ def _quantise(program, example, max_len: int):
     return export(graph, (), example, dynamic_shapes={"input_ids": {1: n}, "cache_position": {0: n}}, strict=True)
 
 
-def _lower(program, per_op: bool):
-    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+def _lower(program, per_op: bool, quantised: bool = False):
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import (XnnpackDynamicallyQuantizedPartitioner,
+                                                                           XnnpackPartitioner)
     from executorch.exir import to_edge_transform_and_lower
-    return to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner(per_op_mode=per_op)]).to_executorch()
+    # a quantised graph: its dynamically quantised linears first, one delegate each, then the rest
+    # whole (the partitioners of ExecuTorch's LLM export, examples/models/llama/export_llama_lib.py)
+    partitioners = [XnnpackDynamicallyQuantizedPartitioner()] if quantised and not per_op else []
+    partitioners.append(XnnpackPartitioner(per_op_mode=per_op))
+    return to_edge_transform_and_lower(program, partitioner=partitioners).to_executorch()
 
 
 def write_pte(model: nn.Module, path: Path, precision: str = "fp32", max_len: int = 512) -> dict:
@@ -102,15 +107,15 @@ def write_pte(model: nn.Module, path: Path, precision: str = "fp32", max_len: in
         if precision == "int8":
             program = _quantise(program, example, max_len)
         # XNNPACK takes the graph whole where its partitioner can; executorch 1.5.1's partitioner fails
-        # on some graphs (the PT2E-quantised one: "found dependency cycles"; FedALT's mixer:
-        # "pass through arguments"), where one delegate call per operator is what it can lower
-        if precision == "int8":
+        # on some graphs (a PT2E-quantised one given to it alone: "found dependency cycles"; FedALT's
+        # mixer: "pass through arguments"), where one delegate call per operator is what it can lower
+        # (and slowly: each partition recompiles the graph, so a 30-layer model takes the better part
+        # of an hour)
+        quantised = precision == "int8"
+        try:
+            lowered, mode = _lower(program, per_op=False, quantised=quantised), "whole-graph"
+        except (RuntimeError, AssertionError):
             lowered, mode = _lower(program, per_op=True), "per-op"
-        else:
-            try:
-                lowered, mode = _lower(program, per_op=False), "whole-graph"
-            except (RuntimeError, AssertionError):
-                lowered, mode = _lower(program, per_op=True), "per-op"
     path.write_bytes(lowered.buffer)
     return {"pte": path.name, "precision": precision, "max_len": max_len, "xnnpack": mode,
             "bytes": path.stat().st_size}

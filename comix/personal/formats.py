@@ -17,20 +17,22 @@ FORMATS = ("comix", "executorch", "gguf")
 
 
 def precisions(fmt: str) -> tuple[str, ...]:
-    from . import device, gguf_file
-    return {"executorch": device.PRECISIONS, "gguf": gguf_file.PRECISIONS}.get(fmt, ())
+    from .device import PRECISIONS as EXECUTORCH
+    from .gguf_file import PRECISIONS as GGUF
+    return {"executorch": EXECUTORCH, "gguf": GGUF}.get(fmt, ())
 
 
 def device_refusal(fmt: str, precision: str | None, roles: set[str], kind: str | None, architecture: str) -> str | None:
     """Why ``fmt`` cannot hold this model, in one line (None: it can). ``kind``: export.py's kind of
     the user's adapters (None: the run's model is the server's global MoE)."""
-    from . import device, gguf_file
+    from .device import executorch_missing
+    from .gguf_file import gguf_refusal
     if fmt not in FORMATS:
         return f"--format {fmt!r}: one of {', '.join(FORMATS)}"
     if precision is not None and precision not in precisions(fmt):
         return f"--precision {precision!r}: --format {fmt} has {', '.join(precisions(fmt)) or 'no --precision'}"
-    if fmt == "executorch" and device.executorch_missing():
-        return device.executorch_missing()
+    if fmt == "executorch" and executorch_missing():
+        return executorch_missing()
     if kind is None:
         return (f"--format {fmt}: the run's model is the server's global MoE (a Mixtral folder), which comix does not "
                 "export for devices; --format comix gives it as a transformers folder")
@@ -42,7 +44,7 @@ def device_refusal(fmt: str, precision: str | None, roles: set[str], kind: str |
                 f"{'mixture of LoRA experts' if kind == 'mixture' else kind + ' model'} whose routers weigh experts "
                 "per token: --format executorch runs it whole, routers included")
     if fmt == "gguf":
-        return gguf_file.gguf_refusal(architecture)
+        return gguf_refusal(architecture)
     return None
 
 

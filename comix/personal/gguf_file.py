@@ -49,7 +49,7 @@ def _tokenizer_from_gguf(writer, source: Path) -> None:
             writer.add_key_value(key, field.contents(), field.types[0], sub)
 
 
-def _tokenizer_from_hf(writer, tok) -> None:
+def _tokenizer_from_hf(writer, tok) -> bool:
     model = json.loads(tok.backend_tokenizer.to_str())["model"]
     if model.get("type") != "BPE":
         raise ValueError(f"--format gguf: the tokenizer is {model.get('type')}, comix writes byte-level BPE ones")
@@ -65,13 +65,15 @@ def _tokenizer_from_hf(writer, tok) -> None:
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     if merges:
         writer.add_token_merges(merges)
-    else:  # a byte tokenizer (comix's tiny models): no merges; readers derive none from these scores
+    else:  # comix's tiny byte tokenizer has no merges: transformers' reader then needs scores (it derives
+        # none from these); llama.cpp refuses a GPT-2 vocabulary without merges, so such a file is not for it
         writer.add_token_scores([-float(i) for i in range(len(tokens))])
     for add, token in ((writer.add_bos_token_id, tok.bos_token), (writer.add_eos_token_id, tok.eos_token),
                        (writer.add_pad_token_id, tok.pad_token)):
         if token is not None:
             add(tok.convert_tokens_to_ids(token))
     writer.add_add_bos_token(False)
+    return bool(merges)
 
 
 def write_gguf(model, tok, path: Path, precision: str = "f16", name: str = "comix",
@@ -96,10 +98,11 @@ def write_gguf(model, tok, path: Path, precision: str = "f16", name: str = "comi
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if precision == "f16" else gguf.LlamaFileType.MOSTLY_Q8_0)
+    llama_cpp_reads = True
     if tokenizer_gguf is not None:
         _tokenizer_from_gguf(writer, tokenizer_gguf)
     else:
-        _tokenizer_from_hf(writer, tok)
+        llama_cpp_reads = _tokenizer_from_hf(writer, tok)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)
     state = model.state_dict()
     if getattr(cfg, "tie_word_embeddings", False):
@@ -129,4 +132,6 @@ def write_gguf(model, tok, path: Path, precision: str = "f16", name: str = "comi
     writer.close()
     return {"gguf": path.name, "precision": precision, "architecture": arch, "bytes": path.stat().st_size,
             "tokenizer": "copied from the base's GGUF" if tokenizer_gguf is not None else
-                         "written from the Hugging Face tokenizer (GPT-2 BPE, pre-tokenizer 'default')"}
+                         "written from the Hugging Face tokenizer (GPT-2 BPE, pre-tokenizer 'default')" +
+                         ("" if llama_cpp_reads else "; no merges (a byte tokenizer): transformers reads the file, "
+                                                     "llama.cpp does not")}
