@@ -105,15 +105,18 @@ def llama_cpp_model(path: Path, n_ctx: int):
     return logits, generate, llm
 
 
-def measure(logits, generate, wins, prompt, new_tokens) -> dict:
+def perplexity(logits, wins) -> float:
     nll, n = 0.0, 0
     for w in wins:
-        lg = logits(w[:-1])
-        nll += torch.nn.functional.cross_entropy(lg.float(), w[1:], reduction="sum").item()
+        nll += torch.nn.functional.cross_entropy(logits(w[:-1]).float(), w[1:], reduction="sum").item()
         n += len(w) - 1
+    return math.exp(nll / n)
+
+
+def measure(logits, generate, wins, prompt, new_tokens) -> dict:
     made = []
     seconds = timed(lambda: made.append(generate(prompt, new_tokens)))
-    return {"ppl": math.exp(nll / n), "tokens_per_s": len(made[-1]) / seconds, "new_tokens": len(made[-1]),
+    return {"ppl": perplexity(logits, wins), "tokens_per_s": len(made[-1]) / seconds, "new_tokens": len(made[-1]),
             "greedy": made[-1]}
 
 
@@ -160,8 +163,7 @@ def main(argv=None) -> int:
             if fmt == "executorch":
                 row.update(measure(*pte_model(loaded), wins, prompt, args.new_tokens))
             else:  # the GGUF read back by transformers: its perplexity (speed is llama.cpp's, below)
-                logits, _ = torch_model(loaded, tok.eos_token_id)
-                row["ppl"] = measure(logits, lambda ids, n: [], wins, prompt[:1], 0)["ppl"]
+                row["ppl"] = perplexity(torch_model(loaded, tok.eos_token_id)[0], wins)
                 if llama_version:
                     logits, generate, llm = llama_cpp_model(folder / "model.gguf",
                                                             cfg.train.seq_len + args.new_tokens + 64)

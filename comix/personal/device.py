@@ -59,10 +59,11 @@ def _exportable(model: nn.Module, max_len: int) -> nn.Module:
     return TorchExportableModuleWithStaticCache(model, batch_size=1, max_cache_len=max_len).eval()
 
 
-def _export(module: nn.Module, max_len: int):
+def _export(module, max_len: int, example: dict | None = None):
+    """``torch.export`` of the program's signature, 1 to ``max_len - 1`` tokens a call."""
     from torch.export import Dim, export
     n = Dim("tokens", min=1, max=max_len - 1)
-    example = {"input_ids": torch.zeros(1, 4, dtype=torch.long), "cache_position": torch.arange(4)}
+    example = example or {"input_ids": torch.zeros(1, 4, dtype=torch.long), "cache_position": torch.arange(4)}
     # strict (dynamo) tracing: the non-strict trace of the static cache's in-place writes lowers to
     # a graph torch 2.13's decompositions reject ("expected compiled_fn to be GraphModule")
     return export(module, (), example, dynamic_shapes={"input_ids": {1: n}, "cache_position": {0: n}},
@@ -77,10 +78,7 @@ def _quantise(program, example, max_len: int):
     quantizer = XNNPACKQuantizer().set_global(get_symmetric_quantization_config(is_per_channel=True, is_dynamic=True))
     graph = prepare_pt2e(program.module(), quantizer)
     graph(**example)  # dynamic activations: no calibration statistics, one call initialises the observers
-    graph = convert_pt2e(graph)
-    from torch.export import Dim, export
-    n = Dim("tokens", min=1, max=max_len - 1)
-    return export(graph, (), example, dynamic_shapes={"input_ids": {1: n}, "cache_position": {0: n}}, strict=True)
+    return _export(convert_pt2e(graph), max_len, example)[0]
 
 
 def _lower(program, per_op: bool, quantised: bool = False):
@@ -104,14 +102,14 @@ def write_pte(model: nn.Module, path: Path, precision: str = "fp32", max_len: in
         warnings.filterwarnings("ignore", message="Mutation on a buffer")
         warnings.filterwarnings("ignore", category=FutureWarning)
         program, example = _export(_exportable(model, max_len), max_len)
-        if precision == "int8":
+        quantised = precision == "int8"
+        if quantised:
             program = _quantise(program, example, max_len)
         # XNNPACK takes the graph whole where its partitioner can; executorch 1.5.1's partitioner fails
         # on some graphs (a PT2E-quantised one given to it alone: "found dependency cycles"; FedALT's
         # mixer: "pass through arguments"), where one delegate call per operator is what it can lower
         # (and slowly: each partition recompiles the graph, so a 30-layer model takes the better part
         # of an hour)
-        quantised = precision == "int8"
         try:
             lowered, mode = _lower(program, per_op=False, quantised=quantised), "whole-graph"
         except (RuntimeError, AssertionError):

@@ -69,23 +69,6 @@ def _kind(roles: set[str]) -> str:
     return "lora" if roles <= PLAIN else "mixture" if roles <= MIXTURE else "comix"
 
 
-def _check_merged(method_dir: Path, user: str) -> None:
-    """--merged needs one linear adapter to fold into the base: refused in one line, before the
-    model is rebuilt, for a mixture (its routers pick experts per token) or comix's own layers."""
-    from safetensors import safe_open
-
-    from ..models import param_role
-    file = method_dir / "adapters" / f"{user}.safetensors"
-    if not file.exists():
-        return  # rebuild names the missing user
-    with safe_open(str(file), "pt") as f:
-        kind = _kind({param_role(n) for n in f.keys()})
-    if kind != "lora":
-        raise ExportError(f"--merged: {method_dir.name} is a {'mixture of LoRA experts' if kind == 'mixture' else kind} "
-                          "model whose routers weigh experts per token, so no single merged model equals it; use "
-                          "--static for one approximate adapter, or comix.load_personal for the exact model")
-
-
 def _adapter_roles(method_dir: Path, user: str) -> set[str]:
     """The roles of ``user``'s stored adapters, read from the file's names (no tensor loaded)."""
     from safetensors import safe_open
@@ -96,6 +79,17 @@ def _adapter_roles(method_dir: Path, user: str) -> set[str]:
         return set()  # rebuild names the missing user
     with safe_open(str(file), "pt") as f:
         return {param_role(n) for n in f.keys()}
+
+
+def _check_merged(method_dir: Path, user: str) -> None:
+    """--merged needs one linear adapter to fold into the base: refused in one line, before the
+    model is rebuilt, for a mixture (its routers pick experts per token) or comix's own layers."""
+    roles = _adapter_roles(method_dir, user)
+    kind = _kind(roles)
+    if roles and kind != "lora":  # no roles: no file, and rebuild names the missing user
+        raise ExportError(f"--merged: {method_dir.name} is a {'mixture of LoRA experts' if kind == 'mixture' else kind} "
+                          "model whose routers weigh experts per token, so no single merged model equals it; use "
+                          "--static for one approximate adapter, or comix.load_personal for the exact model")
 
 
 def _export_device(method_dir: Path, user: str | None, out: Path, fmt: str, precision: str | None,

@@ -49,14 +49,11 @@ def device_refusal(fmt: str, precision: str | None, roles: set[str], kind: str |
 
 
 def _merged(model, tok, base_spec: str, tmp: Path):
-    """The plain-LoRA user model merged into its base (PEFT's merge_and_unload of the PEFT folder)."""
-    from peft import PeftModel
-
-    from ..models import load_base_model
-    from .peft_forms import _lora_modules, write_peft_lora
+    """The plain-LoRA user model merged into its base (its PEFT folder, written to ``tmp`` and
+    removed, merged as ``--merged`` merges it)."""
+    from .peft_forms import _lora_modules, merged_model, write_peft_lora
     write_peft_lora(_lora_modules(model), tmp, base_spec)
-    base, _ = load_base_model(base_spec)
-    merged = PeftModel.from_pretrained(base, str(tmp)).merge_and_unload().eval()
+    merged = merged_model(tmp, base_spec)
     shutil.rmtree(tmp)
     return merged
 

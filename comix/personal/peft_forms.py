@@ -123,12 +123,17 @@ def _write_static(folder: Path, base_name: str, n: int, weights: list[float]) ->
     shutil.rmtree(folder / "static-tmp")
 
 
-def _write_merged(model: nn.Module, tok, out: Path, base_name: str) -> None:
+def merged_model(peft_dir: Path, base_name: str) -> nn.Module:
+    """The base with the PEFT LoRA folder ``peft_dir`` merged into it (PEFT's merge_and_unload)."""
     from peft import PeftModel
 
     from ..models import load_base_model
     base, _ = load_base_model(base_name)
-    merged = PeftModel.from_pretrained(base, str(out.parent)).merge_and_unload()
+    return PeftModel.from_pretrained(base, str(peft_dir)).merge_and_unload().eval()
+
+
+def _write_merged(model: nn.Module, tok, out: Path, base_name: str) -> None:
+    merged = merged_model(out.parent, base_name)
     if hasattr(merged.config, "comix_tokenizer"):
         del merged.config.comix_tokenizer
     merged.save_pretrained(str(out))
