@@ -49,6 +49,12 @@ class PrivacyConfig:
     secagg_threshold: float = 0.5     # reconstruction_threshold: a fraction of the shares (or a count)
     secagg_clip_range: float = 8.0    # clipping_range: an upload's values must lie in [-r, r] to be quantised
     secagg_quantization: int = 2**22  # quantization_range: levels over [-r, r] (step 2r / 2^22 ~ 3.8e-6)
+    # Robustness, not privacy: the same flat L2 bound applied by the server to each accepted upload's
+    # update before aggregating (engines/server.py), for runs without DP, where a device's update is
+    # unbounded and one poisoned client (a norm 1,000x the others) would otherwise move the aggregate
+    # by its whole update. The server sees the unclipped update, so it protects nothing of privacy;
+    # it bounds what one client can do to the mean (by server_clip x its weight). Off by default.
+    server_clip: float = math.inf
 
     @property
     def active(self) -> bool:
@@ -58,6 +64,8 @@ class PrivacyConfig:
         """Why this section is invalid (one line), or None."""
         if not self.clip > 0:
             return f"privacy.clip must be > 0 (.inf = no clipping), got {self.clip}"
+        if not self.server_clip > 0:
+            return f"privacy.server_clip must be > 0 (.inf = no bound), got {self.server_clip}"
         if not self.noise_multiplier >= 0:
             return f"privacy.noise_multiplier must be >= 0, got {self.noise_multiplier}"
         if not 0 < self.delta < 1:
@@ -71,6 +79,9 @@ class PrivacyConfig:
             return f"privacy.secagg_shares must be a fraction in (0, 1] or a count > 2, got {self.secagg_shares}"
         if not (0 < self.secagg_threshold <= 1 or self.secagg_threshold == int(self.secagg_threshold) >= 2):
             return f"privacy.secagg_threshold must be a fraction in (0, 1] or a count >= 2, got {self.secagg_threshold}"
+        if self.secure_aggregation and math.isfinite(self.server_clip):
+            return "privacy.server_clip bounds uploads the server reads; under secure_aggregation it sees only their " \
+                   "masked sum: bound the update on the devices with privacy.clip instead"
         if not self.secagg_clip_range > 0 or not 0 < self.secagg_quantization < 2**32:
             return f"privacy.secagg_clip_range must be > 0 and privacy.secagg_quantization in (0, 2^32), got " \
                    f"{self.secagg_clip_range} and {self.secagg_quantization}"

@@ -72,6 +72,49 @@ def test_clip_scales_the_update_not_the_tensor_and_spares_exempt_tensors():
     assert same is upload  # within the bound: untouched
 
 
+class Poisoner(Recorder):
+    """Client 0's upload is a poisoned update: its honest update times 1,000 (kept: ``got``)."""
+
+    def train(self, payloads):
+        replies = super().train(payloads)
+        up, metrics = replies[0]
+        replies[0] = ({n: payloads[0][n] + 1000 * (t - payloads[0][n]) for n, t in up.items()}, metrics)
+        return replies
+
+
+def _distance(a, b):
+    return math.sqrt(sum(float((a[n].float() - b[n].float()).pow(2).sum()) for n in a))
+
+
+def test_the_server_s_norm_bound_keeps_one_poisoned_client_from_moving_the_aggregate(setup, tmp_path):
+    model, users = setup
+
+    def run_with(transport_cls, out, **privacy):
+        algo = make_algorithm("fedavg", LoRAConfig(r=4), TrainConfig(**TRAIN), len(users))
+        algo.privacy = PrivacyConfig(**privacy)
+        tr = transport_cls(algo, model, users, 0, StateStore())
+        serve(algo, tr, [u.name for u in users], tmp_path / out, seed=0)
+        return tr, [json.loads(x) for x in (tmp_path / out / "server.jsonl").read_text().splitlines()]
+    honest, _ = run_with(Recorder, "honest")
+    bound = 2 * max(update_norm(up, honest.sent[0][c]) for c, up in honest.got[0].items())
+    bounded, rows = run_with(Poisoner, "bounded", server_clip=bound)
+    loose, _ = run_with(Poisoner, "loose")
+    n = len(users)
+    moved = _distance(bounded.sent[1][0], honest.sent[1][0])  # round 2's payload: round 1's aggregate
+    # the poisoned update, clipped to the bound, and the honest one it replaced, each weighing 1 / n
+    assert 0 < moved <= 2 * bound / n * (1 + 1e-4)
+    assert _distance(loose.sent[1][0], honest.sent[1][0]) > 100 * bound / n  # without it: moved 1,000x
+    assert rows[0]["server_clipped"] == 1  # the poisoned client only: the honest ones are within the bound
+    for c in (1, 2):  # honest uploads are aggregated untouched
+        assert all(torch.equal(bounded.got[0][c][k], honest.got[0][c][k]) for k in honest.got[0][c])
+
+
+def test_the_server_s_bound_is_off_by_default_and_refused_under_secure_aggregation():
+    assert PrivacyConfig().server_clip == math.inf and not PrivacyConfig(server_clip=1.0).active
+    assert "masked sum" in PrivacyConfig(server_clip=1.0, secure_aggregation=True).problem()
+    assert "server_clip" in PrivacyConfig(server_clip=0.0).problem()
+
+
 # -- noise ----------------------------------------------------------------------------------------
 def test_noise_is_added_to_the_sum_with_std_sigma_times_clip():
     sigma, clip, n = 0.7, 2.0, 4

@@ -34,7 +34,7 @@ from ..algorithms import Algorithm, tensor_bytes
 from ..algorithms.base import Tensors
 from ..files import atomic_write
 from ..fleet import DEADLINE_MISSED
-from ..privacy import GaussianSumNoise, epsilon_after, privacy_record, sampling_of
+from ..privacy import GaussianSumNoise, clip_upload, epsilon_after, privacy_record, sampling_of
 from ..tracking import TensorBoardLog
 
 log = logging.getLogger("comix.server")
@@ -214,6 +214,9 @@ def serve(algorithm: Algorithm, transport: Transport, users: list[str], out_dir:
                     client_metrics[c].update(dropped="deadline", bytes_up=0)
                     continue
             uploads[c] = reply[0]
+            if math.isfinite(algorithm.privacy.server_clip):  # the server's own bound (privacy.py server_clip)
+                uploads[c], norm = clip_upload(reply[0], payloads[c], algorithm.privacy.server_clip, algorithm.dp_exempt)
+                client_metrics[c]["server_norm"] = round(norm, 6)
         if replies is not None:
             if not uploads and sampled and not any("dropped" in m for m in client_metrics.values()):
                 raise RuntimeError(f"round {rnd + 1}: no client replied with a valid upload")
@@ -231,6 +234,9 @@ def serve(algorithm: Algorithm, transport: Transport, users: list[str], out_dir:
             server_row["dropped"] = dropped
         if math.isfinite(algorithm.privacy.clip):  # the updates the clip shortened (privacy.md)
             server_row["clipped"] = sum(m.get("update_norm", 0) > algorithm.privacy.clip for m in client_metrics.values())
+        if math.isfinite(algorithm.privacy.server_clip):  # the uploads the server's bound shortened
+            server_row["server_clipped"] = sum(m.get("server_norm", 0) > algorithm.privacy.server_clip
+                                               for m in client_metrics.values())
         server_row.update(algorithm.server_report(server_state))
         eps = epsilon_after(algorithm.privacy, rnd + 1, n_clients, train)
         if eps is not None:
