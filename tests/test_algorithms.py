@@ -91,6 +91,21 @@ NAME_RULE = {"ffa-lora": lambda n: n.endswith("lora_B"), "fedsa-lora": lambda n:
 ONE_SHOT = ("deepfusion", "deepfusion-ce", "fedkmt", "ofa-kd", "central-moe", "fedjets")
 
 
+def test_an_upload_unlike_its_declaration_is_rejected_with_the_reason():
+    algo = _algo("fedavg")
+    ref = {"a.lora_A": torch.zeros(4, 8), "a.lora_B": torch.zeros(8, 4)}
+    good = {n: torch.ones_like(t) for n, t in ref.items()}
+    assert algo.check_upload(good, ref) is None
+    bad = {"NaN or inf": {**good, "a.lora_A": torch.full((4, 8), float("inf"))},
+           "shape (8, 4)": {**good, "a.lora_A": torch.ones(8, 4)},
+           "dtype float64": {**good, "a.lora_B": torch.ones(8, 4, dtype=torch.float64)},
+           "dtype bfloat16": {**good, "a.lora_B": torch.ones(8, 4, dtype=torch.bfloat16)},
+           "undeclared": {**good, "a.mlp.experts.1.lora_A": torch.ones(4, 8)},
+           "missing": {"a.lora_A": good["a.lora_A"]}}
+    for reason, upload in bad.items():
+        assert reason in algo.check_upload(upload, ref), reason
+
+
 @pytest.mark.parametrize("method", [m for m in METHODS if m not in ("pretrained", "centralized", *ONE_SHOT)])
 def test_upload_contains_exactly_the_declared_shared_tensors(setup, method):
     model, users = setup

@@ -41,30 +41,6 @@ def _start(fed, data, state, extra=None):
         fed.start_supernode(c, {"data": str(data), "user": u, "state-dir": str(state), **(extra or {}).get(c, {})})
 
 
-def test_tls_auth_deployment_equals_in_process(tmp_path):
-    data = _user_dirs(tmp_path / "data")
-    cfg = _config(tmp_path, data)
-    assert main(["run", str(cfg), f"run_dir={tmp_path / 'inproc'}"]) == 0
-    with Federation(tmp_path / "fed") as fed:
-        _start(fed, data, tmp_path / "state")
-        res = fed.run({"config": str(cfg), "run-dir": str(tmp_path / "flower"), "clients": 3}, timeout=900)
-        assert res.returncode == 0, res.stdout + res.stderr
-        assert "--insecure" not in " ".join(fed.procs["superlink"].args)
-        pids = [p.pid for p in fed.procs.values()]
-    for pid in pids:  # every process we started is gone
-        assert subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode != 0
-    a = _rows(tmp_path / "flower" / "comigs-1g1s" / "metrics.jsonl")
-    b = _rows(tmp_path / "inproc" / "comigs-1g1s" / "metrics.jsonl")
-    assert len(a) == len(b) == 6
-    for x, y in zip(a, b):
-        assert (x["user"], x["bytes_up"], x["bytes_down"]) == (y["user"], y["bytes_up"], y["bytes_down"])
-        for k in ("train_loss", "valid_ppl", "test_ppl"):
-            assert x[k] == pytest.approx(y[k], rel=1e-4), k
-    # the devices kept their private state (specialists, router, optimizer) on disk, keyed by client id
-    states = sorted(p.name for p in (tmp_path / "state").rglob("client*.pt"))
-    assert {s.split(".")[0] for s in states} == {"client0", "client1", "client2"}
-
-
 def test_unregistered_node_and_node_without_ca_are_refused(tmp_path):
     with Federation(tmp_path / "fed") as fed:
         fed.start_superlink()
@@ -120,6 +96,68 @@ def test_killed_device_costs_its_round_and_comes_back(tmp_path):
     assert all("train_loss" in carol[r] for r in carol if r not in failed)
     result = json.loads((metrics.parent / "results.json").read_text())
     assert set(result["per_user"]) == set(USERS) and "missing" not in result
+
+
+def _wait_for(condition, what: str, fed, timeout: float = 600) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, f"waited {timeout:.0f} s for {what}:\n" + fed.log_of("superlink")[-3000:]
+        time.sleep(0.2)
+
+
+def test_tls_auth_deployment_with_its_server_killed_twice_gives_the_in_process_numbers(tmp_path):
+    """A TLS + authenticated loopback deployment equals the in-process engine bit for bit (to float
+    noise), even when its ServerApp is killed between rounds and within one and restarted each time
+    with the same command."""
+    data = _user_dirs(tmp_path / "data")
+    cfg = _config(tmp_path, data, rounds=3, eval_every=3)
+    assert main(["run", str(cfg), f"run_dir={tmp_path / 'inproc'}"]) == 0
+    out = tmp_path / "flower" / "comigs-1g1s"
+    rc = {"config": str(cfg), "run-dir": str(tmp_path / "flower"), "clients": 3, "timeout": 120.0}
+    runs = []
+
+    def submit():  # the same command each time, in the background (it streams until its run ends)
+        runs.append(threading.Thread(target=fed.run, args=(rc,), kwargs={"timeout": 900}))
+        runs[-1].start()
+
+    def logged(rnd):
+        return (out / "metrics.jsonl").exists() and sum(
+            r["round"] == rnd for r in _rows(out / "metrics.jsonl")) == 3
+    with Federation(tmp_path / "fed") as fed:
+        _start(fed, data, tmp_path / "state")
+        submit()
+        _wait_for(lambda: logged(1) and (out / "checkpoint.pt").exists(), "round 1", fed)
+        assert fed.kill_serverapp() == 1  # killed between rounds: round 1 checkpointed, round 2 just sent
+        submit()
+        # killed within round 3: a device has trained it (its state file is written), the server has not
+        # aggregated it; the restarted server re-sends round 3 and the devices replay it from round 2's state
+        _wait_for(lambda: any((tmp_path / "state").rglob("client*.round3.pt")) and fed.serverapps(), "round 3", fed)
+        assert not logged(3)
+        assert fed.kill_serverapp() == 1
+        submit()
+        _wait_for(lambda: (out / "results.json").exists(), "the end of the run", fed, timeout=900)
+        for t in runs:
+            t.join(timeout=120)
+        assert "--insecure" not in " ".join(fed.procs["superlink"].args)
+        pids = [p.pid for p in fed.procs.values()]
+    for pid in pids:  # every process we started is gone
+        assert subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode != 0
+    a, b = _rows(out / "metrics.jsonl"), _rows(tmp_path / "inproc" / "comigs-1g1s" / "metrics.jsonl")
+    assert [(r["round"], r["user"]) for r in a] == [(r["round"], r["user"]) for r in b]  # no round twice or lost
+    for x, y in zip(a, b):
+        assert "failed" not in x
+        for k in ("train_loss", "test_ppl", "valid_ppl"):
+            assert (k in x) == (k in y), (x["round"], k)
+            if k in y:
+                assert x[k] == pytest.approx(y[k], rel=1e-4), (x["round"], k)
+        assert (x["bytes_up"], x["bytes_down"]) == (y["bytes_up"], y["bytes_down"])
+    final = json.loads((out / "results.json").read_text())["per_user"]
+    reference = json.loads((tmp_path / "inproc" / "comigs-1g1s" / "results.json").read_text())["per_user"]
+    assert {u: m["test_ppl"] for u, m in final.items()} == pytest.approx({u: m["test_ppl"] for u, m in reference.items()},
+                                                                         rel=1e-4)
+    # the devices kept their private state (specialists, router, optimizer) on disk, keyed by client id
+    states = sorted(p.name for p in (tmp_path / "state").rglob("client*.pt"))
+    assert {s.split(".")[0] for s in states} == {"client0", "client1", "client2"}
 
 
 def test_ray_simulation_equals_in_process(tmp_path):

@@ -149,6 +149,9 @@ class Algorithm:
         for n, t in upload.items():
             if not self.shape_ok(n, tuple(t.shape), tuple(reference[n].shape)):
                 return f"tensor {n} has shape {tuple(t.shape)}, expected {tuple(reference[n].shape)}"
+            if t.dtype != reference[n].dtype:  # averaged with the others, it would change their precision
+                return f"tensor {n} has dtype {str(t.dtype).removeprefix('torch.')}, expected " \
+                       f"{str(reference[n].dtype).removeprefix('torch.')}"
             if not torch.isfinite(t).all():
                 return f"tensor {n} holds NaN or inf"
         return None

@@ -91,6 +91,23 @@ def upload_record(uploads: dict[int, Tensors], seen: set) -> dict:
     return {"uploads": out, **({"signatures": new} if new else {})}
 
 
+def payload_fingerprint(payloads: dict[int, Tensors]) -> list[float]:
+    """Two float64 numbers that pin down what the server sends after a round: the sum of squares
+    and a position-weighted sum (weights cos(i)) over every client's payload, tensors in name
+    order. Two engines' rounds agree when their fingerprints do (to float noise: devices in their
+    own processes sum in another order); bench/soak.py checks a disturbed Flower run this way."""
+    squares = weighted = 0.0
+    done: dict[int, tuple[float, float]] = {}  # a tensor several clients hold (an average) is read once
+    for c in sorted(payloads):
+        for n in sorted(payloads[c]):
+            t = payloads[c][n]
+            if id(t) not in done:
+                x = t.detach().to("cpu", torch.float64).reshape(-1)
+                done[id(t)] = (float(x.square().sum()), float((x * torch.arange(x.numel(), dtype=torch.float64).cos()).sum()))
+            squares, weighted = squares + done[id(t)][0], weighted + done[id(t)][1]
+    return [squares, weighted]
+
+
 def shapes_only(tensors: Tensors) -> Tensors:
     """Names and shapes of ``tensors`` without their memory (meta tensors): what the server keeps
     of each client's initial upload to check later uploads against."""
@@ -238,6 +255,7 @@ def serve(algorithm: Algorithm, transport: Transport, users: list[str], out_dir:
             server_row["server_clipped"] = sum(m.get("server_norm", 0) > algorithm.privacy.server_clip
                                                for m in client_metrics.values())
         server_row.update(algorithm.server_report(server_state))
+        server_row["payload_fingerprint"] = payload_fingerprint(payloads)
         eps = epsilon_after(algorithm.privacy, rnd + 1, n_clients, train)
         if eps is not None:
             server_row["epsilon"] = eps

@@ -210,6 +210,30 @@ class Federation:
         cfg = " ".join(f'{k}="{v}"' if isinstance(v, (str, Path)) else f"{k}={v}" for k, v in run_config.items())
         return self.flwr("run", str(app), "comix", "--run-config", cfg, "--stream", timeout=timeout)
 
+    def serverapps(self) -> list[int]:
+        """The ServerApp processes the SuperLink started (``flwr-serverapp``, one per running run)."""
+        out = []
+        for pid in _descendants(self.procs["superlink"].pid):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if any(Path(a.decode(errors="replace")).name == "flwr-serverapp" for a in argv[:2]):
+                out.append(pid)
+        return out
+
+    def kill_serverapp(self) -> int:
+        """SIGKILL the running ServerApp (a crashed server: no clean-up of its own); how many died.
+        Its run is over; ``flwr run`` with the same run config starts a new one that continues from
+        the run directory's checkpoint (``engines.server.serve`` resumes)."""
+        pids = self.serverapps()
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return len(pids)
+
     def stop(self, key: str | None = None) -> None:
         """Stop one process (e.g. ``supernode1``) or all, with their children (also those that
         started a session of their own)."""

@@ -88,8 +88,10 @@ class FlowerTransport:
         out: dict[int, Message | str] = {}
         for c in payloads:
             reply = replies.get(self.node_of.get(c, -1))
-            if reply is None:
-                out[c] = "no reply (device unreachable or late)"
+            if c not in self.node_of:  # nothing was sent: the device is not connected
+                out[c] = "device unreachable (not connected: no message sent)"
+            elif reply is None:  # sent: it died with the message, or answered after the timeout
+                out[c] = f"no reply within the round's timeout ({self.timeout:g} s)"
             elif reply.has_error():
                 out[c] = f"device error: {reply.error.reason}"
             else:
