@@ -26,7 +26,6 @@ import datetime
 import json
 import math
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -46,13 +45,6 @@ ROWS = [("fedavg", "comix", "fp32"), ("fedavg", "executorch", "fp32"), ("fedavg"
 def windows(tokens: torch.Tensor, seq_len: int) -> list[torch.Tensor]:
     """The evaluation's windows: seq_len + 1 tokens each (inputs and their next tokens), the last shorter."""
     return [tokens[s:s + seq_len + 1].long() for s in range(0, len(tokens) - 1, seq_len)]
-
-
-def cpu_name() -> str:
-    try:
-        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
 
 
 def timed(fn, reps: int = 3) -> float:
@@ -187,16 +179,13 @@ def main(argv=None) -> int:
 def write(rows: list[dict], args, cfg, llama_version, argv) -> None:
     """The result file so far (temp file, then rename): a bench stopped in a slow row keeps the rest."""
     rows = [{k: v for k, v in row.items() if k != "greedy"} for row in rows]
-    tmp = OUT.with_suffix(".tmp")
-    tmp.write_text(json.dumps({
+    footprint.write_result(OUT, {
         "command": "python bench/device_export.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "base": cfg.model, "user": args.user, "seq_len": cfg.train.seq_len, "new_tokens": args.new_tokens,
-        "machine": f"{os.cpu_count()} cores of an {cpu_name()}, alone",
+        "machine": f"{os.cpu_count()} cores of an {footprint.cpu_name()}, alone",
         "date": datetime.date.today().isoformat(), "torch": torch.__version__,
         "executorch": __import__("importlib.metadata").metadata.version("executorch"), "llama_cpp": llama_version,
-        "seconds": time.perf_counter() - footprint.START, "peak_rss_mb": footprint.peak_rss_mb(), "rows": rows},
-        indent=1) + "\n")
-    os.replace(tmp, OUT)
+        "seconds": time.perf_counter() - footprint.START, "peak_rss_mb": footprint.peak_rss_mb(), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -4,10 +4,13 @@ bench script registers the report; ``python bench/<name>.py`` puts bench/ on the
 from __future__ import annotations
 
 import atexit
+import json
+import platform
 import re
 import resource
 import sys
 import time
+from pathlib import Path
 
 START = time.perf_counter()
 
@@ -28,6 +31,22 @@ def peak_rss_mb() -> float:
     own = _own_peak_kib()
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     return max(own, children) / 1024
+
+
+def cpu_name() -> str:
+    """The CPU's model name (what a result file says it was measured on)."""
+    try:
+        return next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def write_result(path: Path, result: dict) -> None:
+    """A bench's result file as JSON, whole or not at all (a temp file, then a rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    tmp.replace(path)
 
 
 def line() -> str:

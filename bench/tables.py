@@ -682,7 +682,49 @@ def device_export_table(text: str) -> str:
                       "|---|---|---|---:|---:|---:|---|---:|", *rows])
 
 
-BENCH_FILES = {"device-export.json": device_export_table, "cohort-cpu-fp32.json": cohort_table, "layer-speed.md": layer_speed_table, "layer-speed-full.md": layer_speed_table,  # written by a bench
+def soak_table(text: str) -> str:
+    """bench/soak.py's result file: what a TLS + authenticated loopback deployment went through
+    (faults injected and left out, by kind; restarts) and what held (rounds complete, aggregates
+    equal to the in-process replay), with the server's memory and the wall time against the
+    undisturbed run."""
+    r = json.loads(text)
+    faults = " ".join(f"{k} {f['left_out']}/{f['injected']}" for k, f in r["faults"].items())
+    calm = f"{r['undisturbed_wall_s'] / 60:.1f} min" if "undisturbed_wall_s" in r else "not run"
+    held = "none" if not r["problems"] else "; ".join(r["problems"])
+    rows = [("SuperNodes x rounds", f"{r['nodes']} x {r['rounds']} (round timeout {r['timeout_s']:g} s)"),
+            ("rounds completed, every device logged", f"{r['rounds_completed']} of {r['rounds']}"),
+            ("faults left out of the aggregate / injected", faults),
+            ("rounds a restarting device missed (not planned)", str(r["collateral_misses"])),
+            ("SuperNodes restarted; ServerApp killed and resubmitted", f"{r['device_restarts']}; {r['server_kills']} "
+             f"(in round {r.get('killed_in_round', '-')})"),
+            ("aggregates equal to the in-process replay", f"{r['aggregates_equal_to_replay']} of {r['rounds']} "
+             f"(worst relative difference {r['worst_fingerprint_rel_diff']:.2g}; final perplexities "
+             f"{r['final_test_ppl_rel_diff']:.2g})"),
+            ("peak RSS: ServerApp, SuperLink", f"{r['serverapp_peak_rss_mb']:.0f} MB, {r['superlink_peak_rss_mb']:.0f} MB"),
+            ("wall time: soak, undisturbed run", f"{r['wall_s'] / 60:.1f} min, {calm}"),
+            ("problems found", held)]
+    return "\n".join([f"`{r['command'].strip()}` (seed {r['seed']}): {r['machine']}, {r['date']}, torch {r['torch']}, "
+                      f"flwr {r['flwr']}.", "", "| | |", "|---|---|", *(f"| {a} | {b} |" for a, b in rows)])
+
+
+def large_upload_table(text: str) -> str:
+    """bench/large_upload.py's result file: one device upload over 2 GB through a TLS + authenticated
+    loopback deployment, whether it arrived bit for bit, its time and each process's peak memory."""
+    r = json.loads(text)
+    gb = r["upload_gb"]
+    rows = [("upload (one fp32 tensor)", f"{gb:.2f} GB ({r['bytes']:,} bytes; protobuf's limit 2,147,483,647)"),
+            ("arrived bit for bit (SHA-256)", "yes" if r.get("bit_exact") else "NO"),
+            ("request to reply (device made it in)", f"{r['round_trip_s']:.0f} s ({r['made_s']:.0f} s)")]
+    for key, what in (("device_clientapp_peak_rss_mb", "device: its ClientApp process"),
+                      ("supernode_peak_rss_mb", "device: its SuperNode"), ("superlink_peak_rss_mb", "SuperLink"),
+                      ("serverapp_peak_rss_mb", "server: the ServerApp (its own getrusage)")):
+        rows.append((f"peak RSS, {what}", f"{r[key] / 1024:.1f} GB ({r[key] / 1024 / gb:.1f}x the upload)"))
+    return "\n".join([f"`{r['command'].strip()}`: {r['machine']}, {r['date']}, torch {r['torch']}, flwr {r['flwr']} "
+                      f"(arrays cut into {r['chunk_mb']:g} MB chunks); the bench took {r['wall_s'] / 60:.1f} min.", "",
+                      "| | |", "|---|---|", *(f"| {a} | {b} |" for a, b in rows)])
+
+
+BENCH_FILES = {"soak.json": soak_table, "large-upload.json": large_upload_table, "device-export.json": device_export_table, "cohort-cpu-fp32.json": cohort_table, "layer-speed.md": layer_speed_table, "layer-speed-full.md": layer_speed_table,  # written by a bench
                "layer-speed-h200-bf16.md": layer_speed_table,
                "vaa-attribution.json": vaa_attribution_table, "vaa-attribution-long.json": vaa_attribution_table}
 

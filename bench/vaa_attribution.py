@@ -24,14 +24,13 @@ from the same student, VAA and batches. Writes ``bench/results/vaa-attribution.j
 """
 from __future__ import annotations
 
-import footprint  # noqa: F401  (prints wall time and peak RSS at exit)
+import footprint  # prints wall time and peak RSS at exit
 
 import argparse
 import copy
 import inspect
 import json
 import os
-import platform
 import time
 from pathlib import Path
 
@@ -55,13 +54,6 @@ OUT = Path(__file__).parent / "results" / "vaa-attribution.json"
 _DEFAULTS = {k: v.default for k, v in inspect.signature(DeepFusion.__init__).parameters.items()}
 STAGES, QUERIES, VAA_DIM, HEADS = (_DEFAULTS[k] for k in ("stages", "queries", "vaa_dim", "vaa_heads"))
 KD_LR, BATCH, SEQ = _DEFAULTS["kd_lr"], _DEFAULTS["kd_batch"], 128
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.machine()
 
 
 def features(model, x):
@@ -171,11 +163,9 @@ def main() -> None:
     result = {"teacher": Path(args.teacher).name, "spec": args.spec, "steps": args.steps, "seed": args.seed,
               "settings": {"kd_lr": KD_LR, "batch": BATCH, "seq_len": SEQ,
                            "stages": STAGES, "queries": QUERIES, "vaa_dim": VAA_DIM, "heads": HEADS},
-              "machine": f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}",
+              "machine": f"{footprint.cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}",
               "date": time.strftime("%Y-%m-%d"), "seconds": round(time.perf_counter() - t0, 1), "runs": runs}
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1) + "\n")
-    tmp.rename(args.out)
+    footprint.write_result(args.out, result)
     print(f"wrote {args.out}")
 
 

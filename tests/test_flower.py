@@ -2,6 +2,7 @@
 Slow (each message starts a client process): marked ``flower``; ``-m "not flower"`` skips them."""
 import json
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -15,7 +16,13 @@ from test_cli import _user_dirs  # noqa: E402
 
 pytestmark = pytest.mark.flower
 USERS = ["alice", "bob", "carol"]
-FAULTY_APP = Path(__file__).parent / "flower_faulty"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import soak  # noqa: E402  (bench/soak.py: the soak and its fault injector, bench/soak_app/)
+from soak_client import FAULTS  # noqa: E402
+
+# one fault of each kind; each round keeps one honest upload, the last is clean but for a corrupt one
+SHORT_PLAN = {1: {0: "nan", 1: "shape", 2: "extra"}, 2: {0: "delay", 1: "crash", 2: "crash-after"},
+              3: {0: "inf", 1: "dtype", 2: "missing"}, 4: {0: "specialist"}}
 
 
 def _config(tmp_path, data, rounds=2, method="comigs-1g1s", eval_every=1):
@@ -52,50 +59,36 @@ def test_unregistered_node_and_node_without_ca_are_refused(tmp_path):
     assert "CERTIFICATE_VERIFY_FAILED" in logs or "certificate verify failed" in logs.lower()
 
 
-def test_faulty_uploads_are_rejected_not_aggregated(tmp_path):
-    data = _user_dirs(tmp_path / "data")
-    cfg = _config(tmp_path, data, method="fedavg", eval_every=2)  # scored once, after the clean round
-    with Federation(tmp_path / "fed") as fed:
-        _start(fed, data, tmp_path / "state", {1: {"fault": "nan"}, 2: {"fault": "extra"}})
-        res = fed.run({"config": str(cfg), "method": "fedavg", "run-dir": str(tmp_path / "flower"), "clients": 3},
-                      app=FAULTY_APP, timeout=900)
-        assert res.returncode == 0, res.stdout + res.stderr
-    rows = _rows(tmp_path / "flower" / "fedavg" / "metrics.jsonl")
-    r1 = {r["user"]: r for r in rows if r["round"] == 1}
-    assert "NaN" in r1["bob"]["failed"] and "undeclared" in r1["carol"]["failed"] and "failed" not in r1["alice"]
-    assert all("failed" not in r for r in rows if r["round"] == 2)
-    # round 1's aggregate was alice's upload alone: nothing non-finite reached anyone (a NaN in
-    # round 1's aggregate would stay in every model after it)
-    scored = [r["test_ppl"] for r in rows if r["round"] == 2]
-    assert len(scored) == 3 and all(x == x and x < float("inf") for x in scored)
+def test_the_soak_s_fault_plan_is_seeded_covers_every_kind_and_keeps_each_round_honest():
+    plan = soak.make_plan(0, 16, 20, 0.1)
+    assert plan == soak.make_plan(0, 16, 20, 0.1) != soak.make_plan(1, 16, 20, 0.1)
+    assert {k for r in plan.values() for k in r.values()} == set(FAULTS)
+    assert all(len(r) <= 8 for r in plan.values()) and not plan.get(19) and not plan.get(20)
+    assert all(0 <= c < 16 for r in plan.values() for c in r)
 
 
-def test_killed_device_costs_its_round_and_comes_back(tmp_path):
-    data = _user_dirs(tmp_path / "data")
-    cfg = _config(tmp_path, data, rounds=4, method="comigs-1g1s", eval_every=4)  # scored at the end
-    metrics = tmp_path / "flower" / "comigs-1g1s" / "metrics.jsonl"
-    with Federation(tmp_path / "fed") as fed:
-        _start(fed, data, tmp_path / "state")
-        out = {}
-        runner = threading.Thread(target=lambda: out.update(res=fed.run(
-            {"config": str(cfg), "run-dir": str(tmp_path / "flower"), "clients": 3, "timeout": 120.0}, timeout=1500)))
-        runner.start()
-        deadline = time.time() + 600
-        while not (metrics.exists() and metrics.read_text().count("\n") >= 3):  # round 1 done
-            assert time.time() < deadline and runner.is_alive(), fed.log_of("superlink")[-3000:]
-            time.sleep(1)
-        fed.stop("supernode2")                       # the device dies during round 2
-        time.sleep(5)
-        fed.start_supernode(2, {"data": str(data), "user": "carol", "state-dir": str(tmp_path / "state")})
-        runner.join()
-        assert out["res"].returncode == 0, out["res"].stdout + out["res"].stderr
-    rows = _rows(metrics)
-    carol = {r["round"]: r for r in rows if r["user"] == "carol"}
-    failed = [r for r, row in carol.items() if "failed" in row]
-    assert failed and 1 not in failed and 4 not in failed   # lost a round, then came back
-    assert all("train_loss" in carol[r] for r in carol if r not in failed)
-    result = json.loads((metrics.parent / "results.json").read_text())
-    assert set(result["per_user"]) == set(USERS) and "missing" not in result
+def test_a_short_soak_survives_one_fault_of_each_kind_and_equals_its_in_process_replay(tmp_path):
+    """bench/soak.py on 4 SuperNodes for 4 rounds (TLS + auth): corrupt uploads of every kind, a
+    reply held past the round's timeout, a device dying before and one after training (restarted
+    with its key), and the ServerApp killed within round 3 and resubmitted. Every fault is left out
+    with its reason, and every round's aggregate and the final scores equal an in-process replay
+    with the same devices training and the same uploads accepted."""
+    fig = soak.soak(tmp_path / "soak", nodes=4, rounds=4, seed=0, timeout=60, plan=SHORT_PLAN, kill_server_after=2)
+    assert fig["problems"] == []
+    assert {k: (f["injected"], f["left_out"]) for k, f in fig["faults"].items()} == {k: (1, 1) for k in FAULTS}
+    assert fig["server_kills"] == 1 and fig["submissions"] == 2 and fig["device_restarts"] == 2
+    assert fig["aggregates_equal_to_replay"] == 4 and fig["rounds_completed"] == 4
+    # the check itself can fail: one rejected upload logged as accepted, one aggregate altered
+    out = tmp_path / "soak" / "flower" / "comigs-1g1s"
+    rows = _rows(out / "metrics.jsonl")
+    del next(r for r in rows if r["round"] == 1 and r["user"] == "user00")["failed"]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    server = _rows(out / "server.jsonl")
+    server[2]["payload_fingerprint"][0] *= 1 + 1e-5
+    (out / "server.jsonl").write_text("".join(json.dumps(r) + "\n" for r in server))
+    problems = soak.check(tmp_path / "soak", [f"user{c:02d}" for c in range(4)], SHORT_PLAN, 4)["problems"]
+    assert any("round 1 client 0: nan not left out" in p for p in problems)
+    assert any("rounds' aggregates equal the replay's" in p for p in problems)
 
 
 def _wait_for(condition, what: str, fed, timeout: float = 600) -> None:

@@ -112,3 +112,21 @@ def test_a_packed_state_comes_back_equal_tensor_for_tensor_and_an_unpacked_one_p
            "d": torch.arange(7, dtype=torch.int64)}  # offsets that are no multiple of 8 unless packed aligned
     back = unpack(pack(odd))
     assert all(back[k].dtype == t.dtype and torch.equal(back[k], t) for k, t in odd.items())
+
+
+def test_a_device_that_missed_a_round_replays_a_re_sent_round_from_its_last_state(tmp_path):
+    """RoundStore (a Flower device's files): trained in round 1, down in round 2, trained in
+    round 3; the server restarts and re-sends round 3, which must start from round 1's state
+    again, not from nothing (found by bench/soak.py)."""
+    from comix.algorithms import ClientState
+    from comix.engines.states import RoundStore
+
+    def state(step):
+        return ClientState(adapters={"a": torch.full((2,), float(step))}, step=step)
+    for read, write, step in ((0, 0, 0), (0, 1, 1), (2, 3, 3)):  # init, round 1, round 3 (round 2 missed)
+        store = RoundStore(tmp_path, read, write)  # a fresh process per message, as on Flower
+        store[0] = state(step)
+    replay = RoundStore(tmp_path, 2, 3)
+    assert 0 in replay and replay[0].step == 1
+    assert RoundStore(tmp_path, 3, 4)[0].step == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["client0.round1.pt", "client0.round3.pt"]

@@ -90,7 +90,7 @@ class StateStore:
 
 class RoundStore(StateStore):
     """Reads the state after round ``read`` (or the newest before it), writes the state after
-    round ``write``; keeps the previous round's file so a re-sent round starts from the right
+    round ``write``; keeps the newest file before ``write`` so a re-sent round starts from the right
     state. Which rounds each client has on disk is read from the directory once and then kept
     up to date by this store's own writes (one directory listing per read made a 1,000-client run
     quadratic: a glob over every client's files for each client)."""
@@ -130,6 +130,9 @@ class RoundStore(StateStore):
         atomic_write(self._file(c, self.write), lambda p: torch.save(pack(state), p))
         rounds = self._index().setdefault(c, set())
         rounds.add(self.write)
-        for r in [r for r in rounds if r < self.write - 1]:
+        # keep the newest state before this round, whichever round that was: a re-sent round starts
+        # from it (a device that missed round write - 1 has none; deleting "write - 2" made its replay
+        # of a re-sent round start from a fresh state, found by bench/soak.py)
+        for r in sorted(r for r in rounds if r < self.write)[:-1]:
             self._file(c, r).unlink(missing_ok=True)
             rounds.discard(r)

@@ -118,6 +118,30 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+def named(pids: list[int], program: str) -> list[int]:
+    """Those of ``pids`` running ``program`` (its file name, also as a Python script's first argument)."""
+    out = []
+    for pid in pids:
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(Path(a.decode(errors="replace")).name == program for a in argv[:2]):
+            out.append(pid)
+    return out
+
+
+def memory_mb(pid: int, field: str = "VmRSS") -> float:
+    """A process's resident memory (``VmRSS``) or its peak so far (``VmHWM``) in MiB; 0 when gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
 @dataclass
 class Federation:
     """A SuperLink and SuperNodes on this machine (loopback), each process started by us and
@@ -212,15 +236,7 @@ class Federation:
 
     def serverapps(self) -> list[int]:
         """The ServerApp processes the SuperLink started (``flwr-serverapp``, one per running run)."""
-        out = []
-        for pid in _descendants(self.procs["superlink"].pid):
-            try:
-                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if any(Path(a.decode(errors="replace")).name == "flwr-serverapp" for a in argv[:2]):
-                out.append(pid)
-        return out
+        return named(_descendants(self.procs["superlink"].pid), "flwr-serverapp")
 
     def kill_serverapp(self) -> int:
         """SIGKILL the running ServerApp (a crashed server: no clean-up of its own); how many died.

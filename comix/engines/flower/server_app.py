@@ -5,8 +5,8 @@ Run config (``[tool.flwr.app.config]`` of the app, overridable with ``flwr run -
 ``run-dir``, ``clients`` (how many devices to wait for), ``seed`` (-1: the recipe's),
 ``timeout`` (seconds to wait for one round's replies), ``wait`` (seconds to wait for the devices
 to connect). Each device reports its client id (from its node config) when first seen, so the
-server knows which node holds which user; a device that reconnects under a new node id is
-found again the same way. Replies that are errors, late, or fail the algorithm's checks are
+server knows which node holds which user; a device that reconnects (under the node id of its
+key with authentication, else a new one) is found again the same way. Replies that are errors, late, or fail the algorithm's checks are
 left out of that round's aggregate (``serve``)."""
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ class FlowerTransport:
         return [self.users[c] for c in range(self.n)]
 
     def _refresh(self, clients) -> None:
-        """Find again the devices of ``clients`` that came back under a new node id."""
+        """Find again the devices of ``clients`` whose node is gone (back under a new node id)."""
         alive = set(self.grid.get_node_ids())
         if any(self.node_of.get(c) not in alive for c in clients):
             self.node_of = {c: n for c, n in self.node_of.items() if n in alive}
