@@ -1,8 +1,9 @@
 """Flower under load and faults: a soak of a TLS + authenticated loopback deployment.
 
-    python bench/soak.py                          # 16 SuperNodes, 20 rounds, seed 0 (about 40 min on 2 cores)
+    python bench/soak.py                          # 16 SuperNodes, 20 rounds, seed 0 (44 min on 2 cores, and as long again undisturbed)
     python bench/soak.py --nodes 4 --rounds 6     # a short one
     python bench/soak.py --no-baseline            # skip the undisturbed run (its wall time only)
+    python bench/soak.py --baseline-only          # only the undisturbed run, added to the result file
 
 A SuperLink and ``--nodes`` SuperNodes on 127.0.0.1 (TLS with a CA made here, every node's key
 registered) run a tiny CoMiGS job while a seeded fault injector (bench/soak_app/soak_client.py)
@@ -131,10 +132,11 @@ def deploy(workdir: Path, recipe: Path, corpus: Path, users: list[str], plan: di
             for c in node:  # the supervisor: a device that died comes back with the same key
                 code = fed.procs[f"supernode{c}"].poll()
                 if code is not None:
-                    # exit code 305: the SuperLink refused to activate the key while it still holds the
-                    # dead node (same key, same node id) as online: a retry, not another death
+                    # killed (a signal: the injector's SIGKILL) is a death; a SuperNode that exits by itself
+                    # (status 1; its log says Flower's code 305) was refused activation because the SuperLink
+                    # still holds the dead node of its key (same key, same node id) online: a retry
                     if c not in dead_since:
-                        events["device_restarts" if code != 305 else "activation_retries"] += 1
+                        events["device_restarts" if code < 0 else "activation_retries"] += 1
                     dead_since.setdefault(c, time.time())
                     if time.time() - dead_since[c] >= restart_after:
                         fed.start_supernode(c, node[c], key=fed.workdir / "keys" / f"node{c}")
@@ -284,21 +286,30 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds the server waits for a round's replies")
     ap.add_argument("--workdir", type=Path, default=ROOT / "runs" / "soak")
     ap.add_argument("--no-baseline", action="store_true", help="skip the undisturbed run")
+    ap.add_argument("--baseline-only", action="store_true",
+                    help="only the undisturbed run, its wall time added to an existing --result of the same size")
     ap.add_argument("--result", type=Path, default=ROOT / "bench" / "results" / "soak.json")
     args = ap.parse_args()
     import flwr
     import torch
-    command = "python bench/soak.py " + " ".join(sys.argv[1:])
-    fig = soak(args.workdir / "soak", args.nodes, args.rounds, args.seed, args.timeout, rate=args.rate)
-    print(json.dumps(fig, indent=1))
+    if args.baseline_only:
+        fig = json.loads(args.result.read_text())
+        if (fig["nodes"], fig["rounds"], fig["seed"], fig["timeout_s"]) != (args.nodes, args.rounds, args.seed,
+                                                                            args.timeout):
+            sys.exit(f"{args.result} is a soak of {fig['nodes']} nodes x {fig['rounds']} rounds (seed {fig['seed']}, "
+                     f"timeout {fig['timeout_s']:g} s): give the same --nodes --rounds --seed --timeout")
+    else:
+        fig = soak(args.workdir / "soak", args.nodes, args.rounds, args.seed, args.timeout, rate=args.rate)
+        print(json.dumps(fig, indent=1))
+        fig.update(command="python bench/soak.py " + " ".join(a for a in sys.argv[1:] if a != "--no-baseline"),
+                   date=time.strftime("%Y-%m-%d"), torch=torch.__version__, flwr=flwr.__version__,
+                   machine=f"{os.cpu_count()} cores of an {footprint.cpu_name()}, alone",
+                   bench_peak_rss_mb=round(footprint.peak_rss_mb(), 1))
     if not args.no_baseline:  # the same deployment and job, nothing injected, the server left alone
         calm = soak(args.workdir / "undisturbed", args.nodes, args.rounds, args.seed, args.timeout, plan={},
                     kill_server_after=None)
-        fig["undisturbed_wall_s"] = calm["wall_s"]
-        fig["undisturbed_problems"] = calm["problems"]
-    fig.update(command=command, date=time.strftime("%Y-%m-%d"), torch=torch.__version__, flwr=flwr.__version__,
-               machine=f"{os.cpu_count()} cores of an {footprint.cpu_name()}, alone",
-               bench_peak_rss_mb=round(footprint.peak_rss_mb(), 1))
+        fig.update(undisturbed_wall_s=calm["wall_s"], undisturbed_problems=calm["problems"],
+                   undisturbed_date=time.strftime("%Y-%m-%d"))
     footprint.write_result(args.result, fig)
     print(f"wrote {args.result}; problems: {fig['problems'] or 'none'}")
 

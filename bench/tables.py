@@ -703,8 +703,9 @@ def soak_table(text: str) -> str:
             ("peak RSS: ServerApp, SuperLink", f"{r['serverapp_peak_rss_mb']:.0f} MB, {r['superlink_peak_rss_mb']:.0f} MB"),
             ("wall time: soak, undisturbed run", f"{r['wall_s'] / 60:.1f} min, {calm}"),
             ("problems found", held)]
+    note = f" Note: {r['note']}." if r.get("note") else ""
     return "\n".join([f"`{r['command'].strip()}` (seed {r['seed']}): {r['machine']}, {r['date']}, torch {r['torch']}, "
-                      f"flwr {r['flwr']}.", "", "| | |", "|---|---|", *(f"| {a} | {b} |" for a, b in rows)])
+                      f"flwr {r['flwr']}.{note}", "", "| | |", "|---|---|", *(f"| {a} | {b} |" for a, b in rows)])
 
 
 def large_upload_table(text: str) -> str:
@@ -717,7 +718,7 @@ def large_upload_table(text: str) -> str:
             ("request to reply (device made it in)", f"{r['round_trip_s']:.0f} s ({r['made_s']:.0f} s)")]
     for key, what in (("device_clientapp_peak_rss_mb", "device: its ClientApp process"),
                       ("supernode_peak_rss_mb", "device: its SuperNode"), ("superlink_peak_rss_mb", "SuperLink"),
-                      ("serverapp_peak_rss_mb", "server: the ServerApp (its own getrusage)")):
+                      ("serverapp_peak_rss_mb", "server: the ServerApp (its own VmHWM)")):
         rows.append((f"peak RSS, {what}", f"{r[key] / 1024:.1f} GB ({r[key] / 1024 / gb:.1f}x the upload)"))
     return "\n".join([f"`{r['command'].strip()}`: {r['machine']}, {r['date']}, torch {r['torch']}, flwr {r['flwr']} "
                       f"(arrays cut into {r['chunk_mb']:g} MB chunks); the bench took {r['wall_s'] / 60:.1f} min.", "",

@@ -9,7 +9,7 @@ from importlib.metadata import packages_distributions
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CODE = ("comix/**/*.py", "bench/*.py", "bench/soak_app/*.py", "scripts/*.py", "examples/*.py", "tests/**/*.py")
+CODE = ("comix/**/*.py", "bench/*.py", "bench/*_app/*.py", "scripts/*.py", "examples/*.py", "tests/**/*.py")
 
 
 def _norm(name: str) -> str:

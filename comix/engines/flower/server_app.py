@@ -6,8 +6,8 @@ Run config (``[tool.flwr.app.config]`` of the app, overridable with ``flwr run -
 ``timeout`` (seconds to wait for one round's replies), ``wait`` (seconds to wait for the devices
 to connect). Each device reports its client id (from its node config) when first seen, so the
 server knows which node holds which user; a device that reconnects (under the node id of its
-key with authentication, else a new one) is found again the same way. Replies that are errors, late, or fail the algorithm's checks are
-left out of that round's aggregate (``serve``)."""
+key with authentication, else a new one) is found again the same way. Replies that are errors,
+late, or fail the algorithm's checks are left out of that round's aggregate (``serve``)."""
 from __future__ import annotations
 
 import json

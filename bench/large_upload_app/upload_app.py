@@ -25,7 +25,8 @@ from comix.engines.flower.deploy import memory_mb
 from comix.engines.flower.server_app import FlowerTransport
 from comix.engines.flower.wire import to_arrays, to_json
 
-client, server = ClientApp(), ServerApp()
+client = ClientApp()
+server = ServerApp()
 
 
 def digest(t: torch.Tensor) -> str:
