@@ -15,8 +15,9 @@ the forward and backward, the frozen base's and the adapters'); MFU divides the 
 by the device's peak: on CUDA the card's nominal dense bf16 / fp32 peak (NVIDIA's data sheets,
 ``NOMINAL``), and on every device the rate of one large matmul in the compute dtype timed here
 (``gemm_peak``: what this machine's BLAS reaches, the honest ceiling on a CPU). Peak memory: on
-CUDA torch's peak allocation in one step of the configuration; on the CPU the bytes the step's
-forward keeps for its backward (``Footprint``) and the process's peak RSS at the end. Writes
+CUDA torch's peak allocation in one step of the configuration; on the CPU the most bytes the
+step's tensors hold at once (``Footprint``; files measured before 2026-11-28 give the bytes the
+forward kept for the backward instead) and the process's peak RSS at the end. Writes
 bench/results/cohort-<device>-<precision>.json (``--out`` to change), which bench/tables.py renders.
 """
 from __future__ import annotations
@@ -142,7 +143,7 @@ def main(argv=None) -> int:
             if runtime.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(runtime.device)
             with Footprint(model) as fp:
-                run()  # warm-up 1, and the activations one step keeps
+                run()  # warm-up 1, and the most one step's tensors hold at once
             sync(runtime.device)
             mem = torch.cuda.max_memory_allocated(runtime.device) / 2**20 if runtime.device.type == "cuda" else None
             with FlopCounterMode(display=False) as counter:
@@ -150,7 +151,7 @@ def main(argv=None) -> int:
             run()  # warm-up 2
             configs[key] = run
             results[key] = {"adapters": kind, "cohort": c, "tokens": c * args.rows * args.seq,
-                            "flops": counter.get_total_flops(), "activation_mb": round(fp.peak / 2**20, 1),
+                            "flops": counter.get_total_flops(), "step_peak_mb": round(fp.peak / 2**20, 1),
                             **({"peak_mem_mb": round(mem, 1)} if mem is not None else {})}
             print(f"built {key}: {results[key]['flops'] / 1e9:.1f} GFLOP a step", flush=True)
     times = {k: [] for k in configs}

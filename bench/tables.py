@@ -612,14 +612,14 @@ def cohort_table(text: str) -> str:
     cuda = r["device"] == "cuda"
     head = ["adapters", "cohort", "step (ms)", "tokens/s", "x cohort 1", "GFLOP a step", "MFU of the GEMM rate",
             *(["MFU of nominal peak"] if nominal else []), "mixture / LoRA step",
-            "peak GPU memory (MB)" if cuda else "activations kept (MB)"]
+            "peak GPU memory (MB)" if cuda else "step peak (MB)" if "step_peak_mb" in r["results"][0] else "activations kept (MB)"]
     rows = []
     for x in r["results"]:
         rows.append([x["adapters"], str(x["cohort"]), f"{x['step_s'] * 1e3:.1f}", f"{x['tokens_per_s']:,.0f}",
                      f"{x.get('speedup_tokens_per_s', 1.0):.2f}", f"{x['flops'] / 1e9:,.0f}", f"{x['mfu_gemm']:.1%}",
                      *([f"{x['mfu_nominal']:.1%}"] if nominal else []),
                      f"{x['step_over_lora']:.2f}" if "step_over_lora" in x else "",
-                     f"{x['peak_mem_mb']:,.0f}" if cuda else f"{x['activation_mb']:,.0f}"])
+                     f"{x['peak_mem_mb']:,.0f}" if cuda else f"{x.get('step_peak_mb', x.get('activation_mb')):,.0f}"])
     gemm = f"{r['gemm_peak_flops'] / 1e12:.2f} TFLOP/s" if r["gemm_peak_flops"] >= 1e12 else \
         f"{r['gemm_peak_flops'] / 1e9:.0f} GFLOP/s"
     return "\n".join([f"`{r['command']}`: {r['model']}, {r['precision']}, {r['rows']} x {r['seq']} tokens a client, "

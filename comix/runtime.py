@@ -21,6 +21,33 @@ from dataclasses import dataclass
 
 import torch
 
+
+def process_memory_mb(pid: int | str = "self", field: str = "VmRSS") -> float:
+    """A process's resident memory (``VmRSS``) or its peak so far (``VmHWM``) in MiB, from Linux's
+    /proc; 0 where there is none (the process gone, or not Linux)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+_RUNTIME_MB: list[float] = []
+
+
+def note_runtime() -> float:
+    """The runtime a device holds beside its model and its training step, in MiB: this process's
+    resident memory the first time it is asked, which ``load_base_model`` does before it loads a
+    model (the interpreter, torch, transformers and comix; 429 MiB on the CPU wheels, measured).
+    Counted in every device's ``memory_mb`` (engines/device.py), since a budget must hold it too."""
+    if not _RUNTIME_MB:
+        _RUNTIME_MB.append(round(process_memory_mb(), 1))
+    return _RUNTIME_MB[0]
+
+
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 QUANTS = ("none", "int8", "q4", "nf4")  # the frozen base's block linears (models/quant.py)
 

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from ..algorithms import Algorithm, ClientContext, ClientState
 from ..algorithms.base import Tensors
@@ -33,7 +36,7 @@ from ..models.quant import base_bytes
 from ..models.lora import LoRALinear, LoRAWeights
 from ..privacy import clip_upload
 from .states import StateStore
-from ..runtime import Runtime
+from ..runtime import Runtime, note_runtime
 
 
 def fresh_adapters(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
@@ -164,18 +167,51 @@ def evaluate_cohort(model: nn.Module, users: list[UserData], train, runtime: Run
     return out
 
 
+class StepPeak(TorchDispatchMode):
+    """The most bytes the tensors created under it hold at once: every operator's newly allocated
+    outputs (the forward's activations, the backward's transient gradients, the optimiser step's
+    moments), each storage counted from its creation until it is freed. An output that shares an
+    input's storage (a view, an in-place op) allocates nothing: the parameters, the data and
+    whatever existed before are never counted. What torch's allocator would report as the step's
+    peak on CUDA, measured the same way on every device (the CPU allocator keeps no stats)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.now, self.peak = {}, 0, 0
+
+    def _freed(self, ptr: int) -> None:
+        self.now -= self.live.pop(ptr, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                ptr = storage.data_ptr()
+                if ptr and ptr not in self.live and ptr not in inputs:
+                    self.live[ptr] = storage.nbytes()
+                    self.now += storage.nbytes()
+                    self.peak = max(self.peak, self.now)
+                    weakref.finalize(storage, self._freed, ptr)
+        return out
+
+
 class Footprint:
     """What one client's round spends, measured on the device (both engines run ``Device.train``):
-    ``tokens`` fed to its training forwards (padding included) and ``peak``, the bytes of the
-    tensors its first training forward keeps for the backward pass (torch's saved-tensor hooks,
-    each storage once, parameters and the frozen base's tensors excluded): the activations a step
-    holds at its peak, which grow with the batch. One forward is measured per round: every step
-    of a round has the same shapes."""
+    ``tokens`` fed to its training forwards (padding included) and ``peak``, the most bytes its first
+    training step's tensors hold at once (``StepPeak``, from that step's forward until the next
+    training forward): the activations kept for the backward pass and the backward's transients
+    (the logits' gradients are as large as the logits), which grow with the batch. Counting only
+    what the forward saves for the backward missed those transients: 18-26 % of a SmolLM2 step's
+    memory. The step's gradients are in it, also counted in ``trainable_mb`` (4 bytes a trainable
+    parameter too many, against the activations' hundreds of MB). One step is measured per round:
+    every step of a round has the same shapes."""
 
     def __init__(self, model: nn.Module):
-        self.model, self.tokens, self.peak, self.measuring = model, 0, 0, True
-        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        self.seen, self.total, self.handle, self.hooks = set(), 0, None, None
+        self.model, self.tokens, self.peak = model, 0, 0
+        self.mode, self.measured, self.handle = None, False, None
 
     def forward(self, module, args, kwargs):
         if not module.training:
@@ -183,28 +219,24 @@ class Footprint:
         ids = kwargs.get("input_ids", args[0] if args else None)
         if isinstance(ids, torch.Tensor):
             self.tokens += ids.numel()
-        if self.total:  # a second training forward: the first one's count is the step's
-            self.measuring = False
+        if self.mode is not None:  # a second training forward: the first step is over
+            self._stop()
+        elif not self.measured:
+            self.mode = StepPeak()
+            self.mode.__enter__()
 
-    def pack(self, t: torch.Tensor):
-        if self.measuring and self.model.training:
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in self.params and ptr not in self.seen:
-                self.seen.add(ptr)
-                self.total += t.untyped_storage().nbytes()
-                self.peak = max(self.peak, self.total)
-        return t
+    def _stop(self):
+        self.mode.__exit__(None, None, None)
+        self.peak, self.mode, self.measured = self.mode.peak, None, True
 
     def __enter__(self):
         self.handle = self.model.register_forward_pre_hook(self.forward, with_kwargs=True)
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
-        self.hooks.__enter__()
         return self
 
     def __exit__(self, *exc):
-        self.hooks.__exit__(*exc)
+        if self.mode is not None:
+            self._stop()
         self.handle.remove()
-        self.seen.clear()
 
 
 def planned_base_bytes(base: nn.Module) -> dict[str, float]:
@@ -231,9 +263,10 @@ def training_memory(base: nn.Module, algorithm: Algorithm, user: UserData, clien
     each number of ``micro_batches`` slices: {(precision, slices): MB}. The base's bytes (its
     block linears at 4 bytes, 1 byte + a scale per row, or half a byte + a scale per block of 64:
     bitsandbytes' int8 and NF4 storage), the trainable state (parameters, gradients, AdamW's
-    moments, fp32; with slices one more gradient, the sum the slices accumulate into) and the
-    activations of one measured training step (its first batch, or that batch's first slice). ``measured`` memoises by adapter
-    architecture and batch shape: clients alike are measured once."""
+    moments, fp32; with slices one more gradient, the sum the slices accumulate into), the peak
+    of one measured training step (``Footprint``: its first batch, or that batch's first slice) and
+    the process's runtime (``note_runtime``). ``measured`` memoises by adapter architecture and
+    batch shape: clients alike are measured once."""
     import copy
 
     from ..models import inject_adapters
@@ -252,6 +285,7 @@ def training_memory(base: nn.Module, algorithm: Algorithm, user: UserData, clien
     autocast = torch.autocast(weight.device.type, dtype=weight.dtype, enabled=weight.dtype != torch.float32)
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     stored = planned_base_bytes(base)
+    runtime = note_runtime()
     from ..algorithms.training import lm_loss
     need = {}
     for m in micro_batches:
@@ -259,7 +293,7 @@ def training_memory(base: nn.Module, algorithm: Algorithm, user: UserData, clien
             lm_loss(model, x.chunk(m)[0], y.chunk(m)[0]).backward()
         model.zero_grad(set_to_none=True)
         trainable = params * (16 if m == 1 else 20)
-        need.update({(q, m): (b + trainable + footprint.peak) / 2**20 for q, b in stored.items()})
+        need.update({(q, m): runtime + (b + trainable + footprint.peak) / 2**20 for q, b in stored.items()})
     if measured is not None:
         measured[key] = need
     return need
@@ -294,8 +328,9 @@ class Device:
         beyond the frozen base: the trainable parameters, their gradients and AdamW's two moments,
         all fp32) and, on CUDA, ``peak_mem_mb`` (torch's peak allocation during the round); and what
         the device spent (``Footprint``): ``tokens`` of its training forwards, ``quant`` and ``base_mb`` (the
-        frozen base's precision and its bytes at it), ``activation_mb`` and
-        ``memory_mb`` = base + trainable + activations, its training memory."""
+        frozen base's precision and its bytes at it), ``activation_mb`` (one step's peak beyond what
+        the model holds), ``runtime_mb`` (``note_runtime``) and ``memory_mb`` = runtime + base +
+        trainable + activations, its training memory."""
         cuda = self.runtime.device.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.runtime.device)
@@ -327,9 +362,10 @@ class Device:
         base_mb = base_bytes(self.model) / 2**20
         micro = self.runtime.micro_batches_of(self.client)
         held = metrics["trainable_mb"] * (1.25 if micro > 1 else 1)  # slices: one more gradient, their sum
-        metrics.update(quant=self.runtime.quant_of(self.client), micro_batches=micro,
+        runtime = note_runtime()
+        metrics.update(quant=self.runtime.quant_of(self.client), micro_batches=micro, runtime_mb=runtime,
                        base_mb=round(base_mb, 3), activation_mb=round(activation_bytes / 2**20, 3),
-                       memory_mb=round(base_mb + held + activation_bytes / 2**20, 3))
+                       memory_mb=round(runtime + base_mb + held + activation_bytes / 2**20, 3))
         if self.runtime.device.type == "cuda":
             metrics["peak_mem_mb"] = round(torch.cuda.max_memory_allocated(self.runtime.device) / 2**20, 1)
         return upload, metrics

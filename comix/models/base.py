@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..files import cache_dir, publish_dir
+from ..runtime import note_runtime
 
 TINY = ("tiny-llama", "tiny-gpt2", "tiny-qwen2")
 OFFLINE = ("smollm2-135m", "gemma3-270m")
@@ -58,6 +59,8 @@ def model_config(spec: str):
     from transformers import AutoConfig
 
     check_model_spec(spec)
+    import transformers  # noqa: F401  (part of the runtime, measured before any model is in memory)
+    note_runtime()
     if spec in TINY:
         return tiny_config(spec)
     if spec in OFFLINE:
@@ -81,6 +84,8 @@ def load_tokenizer(spec: str):
     from transformers import AutoTokenizer
 
     check_model_spec(spec)
+    import transformers  # noqa: F401  (part of the runtime, measured before any model is in memory)
+    note_runtime()
     if spec in TINY:
         return byte_tokenizer()
     if spec in OFFLINE:
@@ -231,6 +236,8 @@ def load_base_model(spec: str, dtype=torch.float32, seed: int = 0, dropout: floa
     """Return (model, tokenizer) for ``spec``; the model is in eval mode with all weights frozen
     by ``inject_adapters`` later, and every dropout set to ``dropout``."""
     check_model_spec(spec)
+    import transformers  # noqa: F401  (part of the runtime, measured before any model is in memory)
+    note_runtime()
     if spec in TINY:
         model, tok = tiny_model(spec, seed)
     elif spec in OFFLINE:

@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ...runtime import process_memory_mb
+
 log = logging.getLogger("comix.flower")
 APP_DIR = Path(__file__).parent / "app"
 
@@ -133,13 +135,7 @@ def named(pids: list[int], program: str) -> list[int]:
 
 def memory_mb(pid: int, field: str = "VmRSS") -> float:
     """A process's resident memory (``VmRSS``) or its peak so far (``VmHWM``) in MiB; 0 when gone."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
+    return process_memory_mb(pid, field)
 
 
 @dataclass
