@@ -3,7 +3,7 @@
 size, its perplexity on the user's test split against comix's own model, and greedy generation's
 tokens per second on this CPU.
 
-    python bench/device_export.py [--run runs/quant-none] [--user de] [--new-tokens 64]
+    python bench/device_export.py [--run runs/quant-none] [--user de] [--new-tokens 64] [--precisions int8]
 
 ``--run``: a finished main job holding fedavg and comigs-1g1s (made with ``comix run
 methods=[fedavg,comigs-1g1s] run_dir=RUN`` when the folder does not exist). The rows:
@@ -117,7 +117,14 @@ def main(argv=None) -> int:
     ap.add_argument("--run", default=str(ROOT / "runs" / "quant-none"))
     ap.add_argument("--user", default="de")
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--precisions", nargs="+", choices=sorted({p for _, _, p in ROWS}),
+                    help="measure only these exports (and comix's own rows, their reference); keep the "
+                         "committed file's other rows")
     args = ap.parse_args(argv)
+    kept = []
+    if args.precisions and OUT.exists():
+        kept = [r for r in json.loads(OUT.read_text())["rows"]
+                if r["format"] != "comix" and r["precision"] not in args.precisions]
     torch.set_num_threads(os.cpu_count())
     run = Path(args.run)
     if not run.exists():
@@ -137,6 +144,9 @@ def main(argv=None) -> int:
         llama_version = None
     rows = []
     for method, fmt, precision in ROWS:
+        if any((r["method"], r["format"], r["precision"]) == (method, fmt, precision) for r in kept):
+            rows.append(next(r for r in kept if (r["method"], r["format"], r["precision"]) == (method, fmt, precision)))
+            continue
         model, tok, _ = rebuild(resolve_method_dir(run, method), args.user)
         user = next(u for u in make_user_data(load_corpus(cfg.corpus), tok, cfg.data) if u.name == args.user)
         wins, prompt = windows(user.test, cfg.train.seq_len), user.test[:32].long()

@@ -37,7 +37,9 @@ PARTS = {"fleet": [], "sliced": ["micro_batches=auto"], "unconstrained": ["quant
 
 def run(config: str, extra: list[str], out: Path) -> dict:
     shutil.rmtree(out, ignore_errors=True)
-    return footprint.timed_comix(["run", config, f"run_dir={out}", *extra], ROOT, f"bench/fleet.py: {config} {extra}")
+    # a plan refused (a device nothing fits) is a result too: recorded with comix's line
+    return footprint.timed_comix(["run", config, f"run_dir={out}", *extra], ROOT, f"bench/fleet.py: {config} {extra}",
+                                 refusal_ok=True)
 
 
 def main(argv=None) -> int:
@@ -55,6 +57,10 @@ def main(argv=None) -> int:
             continue
         out = ROOT / "runs" / f"{name}-{part}"
         measures[part] = run(args.config, [*args.extra, *extra], out)
+        if "refused" in measures[part]:
+            shutil.rmtree(RESULTS / f"{name}-{part}", ignore_errors=True)
+            print(f"{part}: refused: {measures[part]['refused']}")
+            continue
         save([out], f"{name}-{part}", {"kind": "users", "part_of": name})
         print(f"{part}: {measures[part]['wall_s']:.0f} s, peak RSS {measures[part]['peak_rss_mb']:.0f} MB")
     case = {"kind": "fleet", "command": f"python bench/fleet.py --config {args.config} " + " ".join(args.extra),

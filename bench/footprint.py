@@ -56,15 +56,19 @@ def line() -> str:
 atexit.register(lambda: print(line(), file=sys.stderr, flush=True))
 
 
-def timed_comix(args: list[str], root, what: str) -> dict:
+def timed_comix(args: list[str], root, what: str, refusal_ok: bool = False) -> dict:
     """``python -m comix.cli <args>`` in ``root`` under /usr/bin/time -v: {"wall_s", "peak_rss_mb"}
-    of that process alone; exits naming ``what`` with the end of its stderr if it fails."""
+    of that process alone; exits naming ``what`` with the end of its stderr if it fails, unless
+    ``refusal_ok`` and comix refused the run in its one line (exit 2): then {"refused": that line}."""
     import os
     import subprocess
     cmd = [sys.executable, "-m", "comix.cli", *args]
     t0 = time.perf_counter()
     proc = subprocess.run(["/usr/bin/time", "-v", *cmd], cwd=root, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(root)})
+    refused = [line for line in proc.stderr.splitlines() if line.startswith("comix: error: ")]
+    if proc.returncode == 2 and refusal_ok and refused:
+        return {"refused": refused[-1].removeprefix("comix: error: ")}
     if proc.returncode:
         sys.exit(f"{what} failed:\n{proc.stderr[-2000:]}")
     peak = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr).group(1)) / 1024

@@ -37,7 +37,8 @@ Table kinds (``case.json``'s ``kind``):
              domain, paired differences from ``reference`` (FedKMT) and the seeds the paper's edge over
              FedKMT needs at their spread, the teachers' in-domain premise.
 The marker ``<!-- table: methods -->`` is the one table made from code, not results: every method
-as its class declares it (bench/methods_table.py; docs/methods.md). ``<!-- table: layer-speed.md -->``
+as its class declares it (bench/methods_table.py; docs/methods.md). ``<!-- table: results -->`` is
+docs/results.md's verdict per paper claim, made from the cases it names (bench/results_page.py). ``<!-- table: layer-speed.md -->``
 (and ``layer-speed-full.md``, ``layer-speed-h200-bf16.md``) renders the result file bench/layer_speed.py writes;
 ``cohort-cpu-fp32.json`` bench/cohort.py's, and ``cohort-cpu-runs`` a folder of whole runs timed one
 client at a time and in cohorts (``/usr/bin/time -v`` lines and each method's server.jsonl).
@@ -258,19 +259,27 @@ def fleet_table(meta: dict, runs: dict) -> str:
     fits; and, where the case has it, the same with micro_batches=auto: its batches sliced first)
     beside the same job with every device unconstrained; per method, plan and device profile, the
     base precision and slices the plan gave, the largest training memory against the budget, a
-    device's seconds a round at its profile's speed, and its devices' mean perplexity both ways."""
+    device's seconds a round at its profile's speed, and its devices' mean perplexity both ways; a
+    plan comix refused (a device nothing fits) gives its one line instead."""
     from collections import Counter
     sys.path.insert(0, str(ROOT))
     from comix.fleet import load_fleet
     budget = {p.name: p.memory_mb for p in load_fleet(meta["fleet"]).profiles}
     free = load_case(meta["runs"]["unconstrained"])[1]
-    plans = [(part, load_case(case)[1]) for part, case in meta["runs"].items() if part != "unconstrained"]
+    refused = {part: m["refused"] for part, m in meta["measures"].items() if "refused" in m}
+    plans = [(part, None if part in refused else load_case(case)[1]) for part, case in meta["runs"].items()
+             if part != "unconstrained"]
     label = {"fleet": "quant=auto", "sliced": "quant=auto, micro_batches=auto"}
     rows = ["| method | plan | devices | base, slices | training MB, max (budget) | device s a round | mean test ppl: "
             "fleet | unconstrained | cost |", "|---|---|---|---|---:|---:|---:|---:|---:|"]
     for m in meta["methods"]:
         off = _result(next(iter(free[m].values())))
         for j, (part, fleet) in enumerate(plans):
+            if fleet is None:  # the plan refused the run before anything trained
+                why = refused[part] if f" for {m}:" in refused[part] else "the run stopped at an earlier method"
+                rows.append(f"| {meta.get('names', {}).get(m, m) if j == 0 else ''} | {label.get(part, part)} | "
+                            f"refused before training: {why} | | | | | | |")
+                continue
             on = _result(next(iter(fleet[m].values())))
             trained = [r for r in _jsonl(next(iter(fleet[m].values())) / "metrics.jsonl") if r.get("sampled")]
             groups = list(dict.fromkeys(r["profile"] for r in trained)) + ["all"]
@@ -725,7 +734,25 @@ def large_upload_table(text: str) -> str:
                       "| | |", "|---|---|", *(f"| {a} | {b} |" for a, b in rows)])
 
 
-BENCH_FILES = {"soak.json": soak_table, "large-upload.json": large_upload_table, "device-export.json": device_export_table, "cohort-cpu-fp32.json": cohort_table, "layer-speed.md": layer_speed_table, "layer-speed-full.md": layer_speed_table,  # written by a bench
+def eval_clients_table(text: str) -> str:
+    """bench/eval_clients.py's result file: a compare with every client scored every round against
+    the same with ``train.eval_clients`` (a seeded sample before the last round): wall time, the
+    scoring's share of it, client evaluations, and whether the last round's scores are identical."""
+    r = json.loads(text)
+    rows = ["| train.eval_clients | wall time | scoring (sum of eval_s) | client evaluations | peak RSS (MB) |",
+            "|---|---:|---:|---:|---:|"]
+    for k, x in r["runs"].items():
+        rows.append(f"| {k}{' (every client)' if k == '0' else ''} | {x['wall_s'] / 60:.1f} min | "
+                    f"{x['eval_s'] / 60:.1f} min | {x['scored']:,} | {x['peak_rss_mb']:,.0f} |")
+    full, sampled = r["runs"]["0"], r["runs"][str(r["sample"])]
+    return "\n".join(rows) + (
+        f"\n\n`{r['config']}`, {r['machine']}, {r['date']}: the sample saves "
+        f"{1 - sampled['wall_s'] / full['wall_s']:.0%} of the wall time; the last round's scores of all "
+        f"{r['final_clients']} client-method pairs are {'identical' if r['final_scores_identical'] else 'NOT identical'} "
+        "in both runs.")
+
+
+BENCH_FILES = {"eval-clients.json": eval_clients_table, "soak.json": soak_table, "large-upload.json": large_upload_table, "device-export.json": device_export_table, "cohort-cpu-fp32.json": cohort_table, "layer-speed.md": layer_speed_table, "layer-speed-full.md": layer_speed_table,  # written by a bench
                "layer-speed-h200-bf16.md": layer_speed_table,
                "vaa-attribution.json": vaa_attribution_table, "vaa-attribution-long.json": vaa_attribution_table}
 
@@ -736,6 +763,11 @@ def table(case: str) -> str:
                f"from `bench/results/{case}`.*\n"
     if case in BENCH_DIRS:
         return f"{BENCH_DIRS[case](RESULTS / case)}\n\n*Generated by `python bench/tables.py` from `bench/results/{case}/`.*\n"
+    if case == "results":  # docs/results.md: each paper's claims against the cases (bench/results_page.py)
+        sys.path.insert(0, str(Path(__file__).parent))
+        from results_page import results_page
+        return f"{results_page()}\n\n*Generated by `python bench/tables.py` from the cases named in the last column " \
+               "(bench/results_page.py: the claims, the paper's numbers and the verdict's rule).*\n"
     if case == "methods":  # from the algorithm classes, not from results (bench/methods_table.py)
         sys.path.insert(0, str(Path(__file__).parent))
         from methods_table import methods_table
@@ -787,6 +819,8 @@ def save(runs: list[Path], case: str, meta: dict) -> Path:
     if partitions:  # each client's data mixture (DeepFusion's premise table reads it)
         (tmp / "partition.json").write_text(partitions.pop())
     (tmp / "case.json").write_text(json.dumps(meta, indent=1) + "\n")
+    if (out / "NOTES.md").exists():  # the case's diary of runs and readings, written by hand: kept
+        shutil.copy(out / "NOTES.md", tmp / "NOTES.md")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out

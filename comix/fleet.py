@@ -148,7 +148,8 @@ def plan(fleet: Fleet, needs: list[dict[Setting, float]], quant: str | list[str]
         fits = [s for s in order if need[s] <= p.memory_mb]
         if not fits:
             raise ValueError(f"fleet: nothing fits device {c} ({p.name}, {p.memory_mb:g} MB) for {method}: it needs "
-                             + ", ".join(f"{megabytes(v)} with {_shown(s)}" for s, v in need.items()))
+                             + ", ".join(f"{megabytes(v)} with {_shown(s)}" for s, v in need.items())
+                             + ("" if want_m == "auto" else "; micro_batches=auto would also try its batch in slices"))
         asked = [s for s in fits if want_q in ("auto", s[0]) and want_m in ("auto", s[1])]
         if not asked:
             wanted = next(s for s in order if want_q in ("auto", s[0]) and want_m in ("auto", s[1]))

@@ -62,10 +62,10 @@ def test_every_bench_reports_its_footprint():
     import subprocess
     import sys
 
-    # tables.py (and methods_table.py, its table from the code) runs nothing: it writes the docs'
-    # tables from committed result files
+    # tables.py (and methods_table.py, its table from the code, and results_page.py, its verdicts
+    # page) runs nothing: it writes the docs' tables from committed result files
     benches = [p for p in (ROOT / "bench").glob("*.py") if p.name not in ("footprint.py", "tables.py",
-                                                                          "methods_table.py")]
+                                                                          "methods_table.py", "results_page.py")]
     assert len(benches) >= 8
     assert all("import footprint" in p.read_text() for p in benches), [p.name for p in benches
                                                                        if "import footprint" not in p.read_text()]
@@ -82,3 +82,13 @@ def test_every_python_block_of_the_docs_runs_from_an_empty_folder(tmp_path, monk
     monkeypatch.chdir(tmp_path)
     for name, block in blocks:
         exec(compile(block, f"{name} python block", "exec"), {"__name__": "__snippet__"})
+
+
+def test_the_front_door_and_the_longest_method_page_stay_short():
+    """README is the front door (what comix is, install, the first try, the main job's table, a
+    line per paper pointing at docs/results.md); a method page starts with its summary and keeps
+    the diary of runs in its case's NOTES.md."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250 and "docs/results.md" in readme
+    deepfusion = (ROOT / "docs" / "deepfusion.md").read_text()
+    assert len(deepfusion.splitlines()) <= 300 and "**Summary.**" in deepfusion.split("```")[0]

@@ -63,8 +63,12 @@ def test_the_memory_plan_gives_each_device_the_least_compressed_base_that_fits_i
         plan(fleet, [need] * 4, ["nf4", "int8", "none", "none"], "m")
     with pytest.raises(ValueError, match=r"device 0 \(phone-1gb, 1024 MB\) cannot train m with quant=none"):
         plan(fleet, [need] * 4, "none", "m")
-    with pytest.raises(ValueError, match=r"nothing fits device 0 \(phone-1gb, 1024 MB\) for m"):
+    with pytest.raises(ValueError, match=r"nothing fits device 0 \(phone-1gb, 1024 MB\) for m.*; "
+                                         r"micro_batches=auto would also try its batch in slices"):
         plan(fleet, [_at({"none": 3000, "int8": 2000, "nf4": 1100})] * 4, "auto", "m")
+    with pytest.raises(ValueError, match=r"nothing fits device 0") as refused:  # slices tried already: no hint
+        plan(fleet, [_at({"none": 3000, "int8": 2000, "nf4": 1100})] * 4, "auto", "m", "auto")
+    assert "micro_batches=auto" not in str(refused.value)
 
 
 def test_micro_batches_come_before_a_more_compressed_base_and_only_as_many_as_the_budget_needs():

@@ -296,3 +296,57 @@ def test_vaa_attribution_table_sums_each_run_s_steps_and_splits_the_fall_between
     assert "Teacher prune:2:32 (device cache file abcdef012345...), 2 joint KD steps a run" in out and "2 min" in out
     assert "| 10 | 0.001 | 0 | 4.000 / 3.500 | -0.0400 | -0.3000 | -0.4000 | 10.0% | 5.0% / 15.0% | -0.0500 | -0.1000 | +0.1000 |" in out
     assert "| 100 | 0.0001 | 25 | 4.000 / 3.000 | -0.3000 | -0.4000 | -0.6000 | 50.0% | 28.6% / 80.0% | +0.3000 | +0.1000 | +0.1000 |" in out
+
+
+def _results_page():
+    import sys
+    sys.path.insert(0, str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("results_page", ROOT / "bench" / "results_page.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["results_page"] = module  # its dataclass looks its module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("a,b,trivial,higher,expected", [
+    # a ahead of b on every seed, both above the majority label: the paper's direction, reproduced
+    ({1: 60.0, 2: 62.0, 3: 61.0}, {1: 55.0, 2: 56.0, 3: 55.5}, {1: 50.0, 2: 50.0, 3: 50.0}, True, "reproduced"),
+    # b ahead outside the interval: reversed
+    ({1: 50.0, 2: 51.0, 3: 50.5}, {1: 55.0, 2: 56.0, 3: 55.5}, {1: 40.0, 2: 40.0, 3: 40.0}, True, "reversed"),
+    # the interval holds 0
+    ({1: 60.0, 2: 52.0, 3: 57.0}, {1: 55.0, 2: 56.0, 3: 55.5}, {1: 40.0, 2: 40.0, 3: 40.0}, True, "unresolved"),
+    # the majority label as good as the better method: whatever the order, not testable
+    ({1: 60.0, 2: 62.0, 3: 61.0}, {1: 55.0, 2: 56.0, 3: 55.5}, {1: 62.0, 2: 62.0, 3: 62.0}, True, "not testable"),
+    # lower is better (perplexity): a lower than b is a ahead; the untrained base is worse than both
+    ({1: 20.0, 2: 21.0, 3: 20.5}, {1: 22.0, 2: 23.0, 3: 22.6}, {1: 40.0, 2: 40.0, 3: 40.0}, False, "reproduced"),
+    # one seed: a direction, never an interval
+    ({42: 20.0}, {42: 22.0}, {42: 40.0}, False, "agrees in direction (one seed"),
+    ({42: 23.0}, {42: 22.0}, {42: 40.0}, False, "disagrees in direction (one seed"),
+])
+def test_each_verdict_follows_from_the_scores(a, b, trivial, higher, expected):
+    page = _results_page()
+    claim = page.Claim("P", "s", "a", "b", 2.0 if higher else 1.0, 1.0 if higher else 2.0, "case", higher, "mean")
+    assert page.judge(claim, a, b, "baseline", trivial)["verdict"].startswith(expected)
+
+
+def test_a_tie_that_excludes_the_papers_gap_is_not_reproduced_only_in_the_same_units():
+    page = _results_page()
+    a, b = {1: 3.770, 2: 3.771, 3: 3.769}, {1: 3.768, 2: 3.770, 3: 3.769}  # lower is better, a tie
+    same = page.Claim("P", "s", "a", "b", 3.97, 3.99, "case", False, "x", same_units=True)
+    assert page.judge(same, a, b, "base", {}).get("verdict").startswith("not reproduced")
+    other = page.Claim("P", "s", "a", "b", 3.97, 3.99, "case", False, "x")
+    assert page.judge(other, a, b, "base", {})["verdict"] == "unresolved: the interval holds 0"
+
+
+def test_saving_a_case_again_keeps_its_notes(tmp_path, monkeypatch):
+    tables = _tables()
+    monkeypatch.setattr(tables, "RESULTS", tmp_path / "results")
+    run = tmp_path / "run"
+    (run / "fedavg").mkdir(parents=True)
+    (run / "config.yaml").write_text("seed: 42\n")
+    (run / "fedavg" / "results.json").write_text(json.dumps({"method": "fedavg", "mean": 1.0}))
+    tables.save([run], "c", {"kind": "users"})
+    (tmp_path / "results" / "c" / "NOTES.md").write_text("diary")
+    tables.save([run], "c", {"kind": "users"})
+    assert (tmp_path / "results" / "c" / "NOTES.md").read_text() == "diary"
+    assert (tmp_path / "results" / "c" / "seed42" / "fedavg" / "results.json").exists()

@@ -167,6 +167,18 @@ def evaluate_cohort(model: nn.Module, users: list[UserData], train, runtime: Run
     return out
 
 
+def _storage(t) -> tuple[torch.UntypedStorage | None, int]:
+    """A tensor's storage and its address; (None, 0) for anything else, a meta tensor or a tensor
+    without storage of its own (sparse, wrapped)."""
+    if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+        return None, 0
+    try:
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None, 0
+    return storage, storage.data_ptr()
+
+
 class StepPeak(TorchDispatchMode):
     """The most bytes the tensors created under it hold at once: every operator's newly allocated
     outputs (the forward's activations, the backward's transient gradients, the optimiser step's
@@ -184,17 +196,14 @@ class StepPeak(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
-                  if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+        inputs = {_storage(t)[1] for t in tree_leaves((args, kwargs))}
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                storage = t.untyped_storage()
-                ptr = storage.data_ptr()
-                if ptr and ptr not in self.live and ptr not in inputs:
-                    self.live[ptr] = storage.nbytes()
-                    self.now += storage.nbytes()
-                    self.peak = max(self.peak, self.now)
-                    weakref.finalize(storage, self._freed, ptr)
+            storage, ptr = _storage(t)
+            if ptr and ptr not in self.live and ptr not in inputs:
+                self.live[ptr] = storage.nbytes()
+                self.now += storage.nbytes()
+                self.peak = max(self.peak, self.now)
+                weakref.finalize(storage, self._freed, ptr)
         return out
 
 
@@ -251,9 +260,9 @@ def planned_base_bytes(base: nn.Module) -> dict[str, float]:
     rows = sum(m.out_features for m in linears)
     size = linears[0].weight.element_size()
     rest = base_bytes(base) - weights * size
-    # q4: HQQ's 4-bit codes and a scale and a zero per group of 32 in the run's dtype
+    # q4: HQQ's 4-bit codes, a 16-bit scale and a zero in the run's dtype per group of 32 (models/quant.py)
     return {"none": rest + weights * size, "int8": rest + weights + rows * 4,
-            "q4": rest + weights / 2 + weights / 32 * 2 * size, "nf4": rest + weights / 2 + weights / 64}
+            "q4": rest + weights / 2 + weights / 32 * (2 + size), "nf4": rest + weights / 2 + weights / 64}
 
 
 def training_memory(base: nn.Module, algorithm: Algorithm, user: UserData, client: int = 0,
