@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from ..algorithms import Algorithm, ClientContext, ClientState
 from ..algorithms.base import Tensors
@@ -192,19 +191,33 @@ class StepPeak(TorchDispatchMode):
         self.live, self.now, self.peak = {}, 0, 0
 
     def _freed(self, ptr: int) -> None:
-        self.now -= self.live.pop(ptr, 0)
+        self.now -= self.live.pop(ptr, (0, None))[0]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {_storage(t)[1] for t in tree_leaves((args, kwargs))}
-        for t in tree_leaves(out):
+        inputs = {_storage(t)[1] for t in _tensors((*args, *(kwargs or {}).values()))}
+        for t in _tensors(out if isinstance(out, (list, tuple)) else (out,)):
             storage, ptr = _storage(t)
             if ptr and ptr not in self.live and ptr not in inputs:
-                self.live[ptr] = storage.nbytes()
+                # a weak reference whose callback runs when the storage is freed (kept in ``live``)
+                self.live[ptr] = (storage.nbytes(), weakref.ref(storage, lambda _, p=ptr: self._freed(p)))
                 self.now += storage.nbytes()
                 self.peak = max(self.peak, self.now)
-                weakref.finalize(storage, self._freed, ptr)
         return out
+
+
+def _tensors(xs):
+    """The tensors among ``xs`` and in its lists and tuples (an operator's arguments or outputs), without
+    pytree's generality: this runs on every operator of a measured step."""
+    for x in xs:
+        if isinstance(x, torch.Tensor):
+            yield x
+        elif isinstance(x, (list, tuple)):
+            yield from (y for y in x if isinstance(y, torch.Tensor))
+
+
+# each model's measured step peaks by batch shape (Footprint), forgotten with the model
+_STEP_PEAKS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
 class Footprint:
@@ -215,12 +228,13 @@ class Footprint:
     (the logits' gradients are as large as the logits), which grow with the batch. Counting only
     what the forward saves for the backward missed those transients: 18-26 % of a SmolLM2 step's
     memory. The step's gradients are in it, also counted in ``trainable_mb`` (4 bytes a trainable
-    parameter too many, against the activations' hundreds of MB). One step is measured per round:
-    every step of a round has the same shapes."""
+    parameter too many, against the activations' hundreds of MB). A step is measured once per model
+    and batch shape (``_STEP_PEAKS``; a step of the same shapes allocates the same, up to how a
+    mixture routes its tokens): measuring costs Python work on every operator of that step."""
 
     def __init__(self, model: nn.Module):
         self.model, self.tokens, self.peak = model, 0, 0
-        self.mode, self.measured, self.handle = None, False, None
+        self.mode, self.measured, self.handle, self.shape = None, False, None, None
 
     def forward(self, module, args, kwargs):
         if not module.training:
@@ -231,12 +245,18 @@ class Footprint:
         if self.mode is not None:  # a second training forward: the first step is over
             self._stop()
         elif not self.measured:
-            self.mode = StepPeak()
-            self.mode.__enter__()
+            self.shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else None
+            known = _STEP_PEAKS.setdefault(self.model, {})
+            if self.shape in known:
+                self.peak, self.measured = known[self.shape], True
+            else:
+                self.mode = StepPeak()
+                self.mode.__enter__()
 
     def _stop(self):
         self.mode.__exit__(None, None, None)
         self.peak, self.mode, self.measured = self.mode.peak, None, True
+        _STEP_PEAKS[self.model][self.shape] = self.peak
 
     def __enter__(self):
         self.handle = self.model.register_forward_pre_hook(self.forward, with_kwargs=True)
