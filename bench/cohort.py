@@ -38,7 +38,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from comix.algorithms.cohort import CohortAdamW, cohort_step
 from comix.algorithms.training import TrainConfig, train_step
-from comix.engines.device import Footprint, fresh_adapters
+from comix.engines.device import fresh_adapters
+from comix.engines.footprint import Footprint
 from comix.models import AdapterConfig, LoRAConfig, inject_adapters, load_base_model
 from comix.models.cohort import stack_clients
 from comix.runtime import resolve

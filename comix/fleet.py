@@ -13,7 +13,7 @@ available or would miss the round's deadline, and the server aggregates the repl
 
 Clients take the profiles in order of their index, by share (``profile_of``). A device's round
 takes ``tokens / tokens_per_s`` seconds of its time (the tokens its training forwards read,
-measured on the device: engines/device.py Footprint), so the deadline drops the same devices on
+measured on the device: engines/footprint.py Footprint), so the deadline drops the same devices on
 every engine and every machine. Availability is drawn per device and round from a generator
 seeded by (run seed, round, client). Memory: ``plan`` reads the training memory each client of
 the method needs (the frozen base at each precision, the trainable state, one step's

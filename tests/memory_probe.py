@@ -14,7 +14,8 @@ def main(model_name: str, batch: int, seq: int) -> None:
     from comix.algorithms.training import lm_loss
     from comix.config import load_config
     from comix.data import load_corpus, make_user_data
-    from comix.engines.device import Footprint, training_memory
+    from comix.engines.device import training_memory
+    from comix.engines.footprint import Footprint
     from comix.runtime import process_memory_mb
     from comix.models import inject_adapters, load_base_model
     from comix.specs import build_algorithm

@@ -1,4 +1,4 @@
-"""What each device spends per round (engines/device.py Footprint): tokens, the frozen base's
+"""What each device spends per round (engines/footprint.py Footprint): tokens, the frozen base's
 bytes at its precision, the activations a training step keeps, and the training memory."""
 import json
 import os
@@ -85,7 +85,7 @@ def test_the_planned_base_counts_the_run_s_bytes_per_weight():
 
 
 def test_a_step_peak_counts_each_storage_from_creation_to_free_and_nothing_held_before():
-    from comix.engines.device import StepPeak
+    from comix.engines.footprint import StepPeak
     held = torch.zeros(2**20)  # 4 MiB that existed before: never counted, nor its views
     mib = 2**20 // 4
     with StepPeak() as peak:

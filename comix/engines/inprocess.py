@@ -31,7 +31,8 @@ from ..models.quant import quant_of_base, quantize_base, shared_objects
 from ..runtime import Runtime
 from ..progress import step as phase_step
 from ..files import atomic_write
-from .device import Device, Footprint, evaluate, evaluate_cohort
+from .device import Device, evaluate, evaluate_cohort
+from .footprint import Footprint
 from .states import RoundStore, StateStore, pack, unpack
 from .server import finish_run, serve
 

@@ -319,7 +319,7 @@ def serve(algorithm: Algorithm, transport: Transport, users: list[str], out_dir:
 def device_totals(rows: list[dict]) -> dict:
     """What the devices spent over the run (metrics.jsonl's rows of sampled devices): bytes up and
     down, tokens and training seconds summed over devices and rounds, and the largest training
-    memory any device needed in a round (engines/device.py Footprint)."""
+    memory any device needed in a round (engines/footprint.py Footprint)."""
     trained = [r for r in rows if r.get("sampled")]
     out = {k: sum(r.get(k, 0) for r in trained) for k in ("bytes_up", "bytes_down", "tokens", "train_s")}
     out["train_s"] = round(out["train_s"], 3)

@@ -59,8 +59,6 @@ def model_config(spec: str):
     from transformers import AutoConfig
 
     check_model_spec(spec)
-    import transformers  # noqa: F401  (part of the runtime, measured before any model is in memory)
-    note_runtime()
     if spec in TINY:
         return tiny_config(spec)
     if spec in OFFLINE:
@@ -84,8 +82,6 @@ def load_tokenizer(spec: str):
     from transformers import AutoTokenizer
 
     check_model_spec(spec)
-    import transformers  # noqa: F401  (part of the runtime, measured before any model is in memory)
-    note_runtime()
     if spec in TINY:
         return byte_tokenizer()
     if spec in OFFLINE:

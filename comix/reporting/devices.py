@@ -1,4 +1,4 @@
-"""The report's section on what each device spent (engines/device.py Footprint): per method and
+"""The report's section on what each device spent (engines/footprint.py Footprint): per method and
 device, its largest training memory and what it uploaded, the devices a fleet dropped."""
 from __future__ import annotations
 
