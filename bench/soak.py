@@ -10,7 +10,8 @@ registered) run a tiny CoMiGS job while a seeded fault injector (bench/soak_app/
 makes devices send corrupt uploads (NaN / inf, a wrong shape or dtype, an extra or a missing
 tensor, a specialist's tensor), hold their reply past the round's timeout, and die on receiving a
 round's message or after training it; a supervisor restarts dead SuperNodes with the same key, and
-the ServerApp is killed once mid-run and started again with the same ``flwr run`` command.
+the ServerApp is killed once mid-run (a device has trained the round, the server has not
+aggregated it) and started again with the same ``flwr run`` command.
 Everything is bounded: the plan is fixed before the run, the run has a deadline, every process is
 stopped by PID at the end.
 
@@ -94,13 +95,15 @@ train: {{rounds: {rounds}, local_steps: 2, batch_size: 2, seq_len: 32, tau: 2, r
 
 
 def deploy(workdir: Path, recipe: Path, corpus: Path, users: list[str], plan: dict, timeout: float,
-           kill_server_after: int | None, seed: int, deadline_s: float = 7200, restart_after: float = 3.0) -> dict:
+           kill_server_after: int | None, deadline_s: float = 7200, restart_after: float = 3.0) -> dict:
     """Run the soak: the deployment, the supervisor (dead SuperNodes restarted with their key after
-    ``restart_after`` s; the ServerApp killed once, a seeded few seconds into the round after round
-    ``kill_server_after`` is logged, and resubmitted at once); returns what happened."""
+    ``restart_after`` s) and the ServerApp killed once within the round after ``kill_server_after``
+    and resubmitted at once: once that round is logged and a device has trained the next (its
+    journal entry: its state for that round is written), so the restarted server re-sends a round
+    some devices already trained and they replay it from the state before. Returns what happened,
+    and how many of the processes it started are still running once it is closed."""
     from comix.engines.flower.deploy import Federation, memory_mb
 
-    rng = random.Random(seed + 1)
     state = workdir / "state"
     state.mkdir(parents=True, exist_ok=True)
     (workdir / "plan.json").write_text(json.dumps({str(r): {str(c): k for c, k in p.items()} for r, p in plan.items()}))
@@ -125,7 +128,6 @@ def deploy(workdir: Path, recipe: Path, corpus: Path, users: list[str], plan: di
             runs[-1].start()
         submit()
         dead_since: dict[int, float] = {}
-        kill_at = None
         while not (out / "results.json").exists():
             if time.time() - t0 > deadline_s:
                 raise TimeoutError(f"the soak passed its deadline ({deadline_s:.0f} s); logs in {workdir / 'fed'}")
@@ -143,10 +145,11 @@ def deploy(workdir: Path, recipe: Path, corpus: Path, users: list[str], plan: di
                         del dead_since[c]
             logged = _logged_rounds(out / "metrics.jsonl", len(users))
             if kill_server_after is not None and not events["server_kills"] and logged >= kill_server_after:
-                kill_at = kill_at or time.time() + rng.uniform(0, 10)  # a few seconds into the next round
-                if time.time() >= kill_at and fed.kill_serverapp():
+                if logged > kill_server_after:  # the moment passed unseen (a round shorter than a poll)
+                    events["missed_kill"], kill_server_after = True, None
+                elif kill_server_after + 1 in trained_rounds(state) and fed.kill_serverapp():
                     events["server_kills"] += 1
-                    events["killed_in_round"] = _logged_rounds(out / "metrics.jsonl", len(users)) + 1
+                    events["killed_in_round"] = kill_server_after + 1
                     submit()
             peak["serverapp"] = max(peak["serverapp"], sum(memory_mb(p) for p in fed.serverapps()))
             peak["superlink"] = max(peak["superlink"], memory_mb(fed.procs["superlink"].pid))
@@ -154,8 +157,20 @@ def deploy(workdir: Path, recipe: Path, corpus: Path, users: list[str], plan: di
         wall = time.time() - t0
         for t in runs:
             t.join(timeout=180)
+        pids = [p.pid for p in fed.procs.values()]
+        events["tls"] = "--insecure" not in " ".join(map(str, fed.procs["superlink"].args))
+    # every process it started is gone once the federation is closed (stopped by PID)
+    events["processes_left"] = sum(_alive(pid) for pid in pids)
     return {**events, "wall_s": round(wall, 1), "serverapp_peak_rss_mb": round(peak["serverapp"], 1),
             "superlink_peak_rss_mb": round(peak["superlink"], 1)}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _rows(path: Path) -> list[dict]:
@@ -272,9 +287,11 @@ def soak(workdir: Path, nodes: int, rounds: int, seed: int, timeout: float, plan
     if kill_server_after == -1:
         kill_server_after = random.Random(seed + 2).randint(max(1, rounds // 3), max(1, 2 * rounds // 3))
     recipe, corpus, users = write_inputs(workdir, nodes, rounds, seed)
-    events = deploy(workdir, recipe, corpus, users, plan, timeout, kill_server_after, seed)
-    return {"nodes": nodes, "rounds": rounds, "seed": seed, "timeout_s": timeout, **events,
-            **check(workdir, users, plan, rounds)}
+    events = deploy(workdir, recipe, corpus, users, plan, timeout, kill_server_after)
+    checked = check(workdir, users, plan, rounds)
+    checked["problems"] += ["the ServerApp was not killed: its moment passed"] * events.pop("missed_kill", False)
+    checked["problems"] += [f"{n} started processes still running" for n in [events["processes_left"]] if n]
+    return {"nodes": nodes, "rounds": rounds, "seed": seed, "timeout_s": timeout, **events, **checked}
 
 
 def main() -> None:

@@ -1,9 +1,7 @@
 """Flower engine on loopback: every server on 127.0.0.1, every process stopped by PID.
 Slow (each message starts a client process): marked ``flower``; ``-m "not flower"`` skips them."""
 import json
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -42,12 +40,6 @@ def _rows(path):
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
-def _start(fed, data, state, extra=None):
-    fed.start_superlink()
-    for c, u in enumerate(USERS):
-        fed.start_supernode(c, {"data": str(data), "user": u, "state-dir": str(state), **(extra or {}).get(c, {})})
-
-
 def test_unregistered_node_and_node_without_ca_are_refused(tmp_path):
     with Federation(tmp_path / "fed") as fed:
         fed.start_superlink()
@@ -70,14 +62,20 @@ def test_the_soak_s_fault_plan_is_seeded_covers_every_kind_and_keeps_each_round_
 def test_a_short_soak_survives_one_fault_of_each_kind_and_equals_its_in_process_replay(tmp_path):
     """bench/soak.py on 4 SuperNodes for 4 rounds (TLS + auth): corrupt uploads of every kind, a
     reply held past the round's timeout, a device dying before and one after training (restarted
-    with its key), and the ServerApp killed within round 3 and resubmitted. Every fault is left out
-    with its reason, and every round's aggregate and the final scores equal an in-process replay
-    with the same devices training and the same uploads accepted."""
+    with its key), and the ServerApp killed within round 3 (a device has trained it, the server
+    has not aggregated it: the restarted server re-sends it and the devices replay it from round
+    2's state) and resubmitted with the same command. Every fault is left out with its reason,
+    and every round's aggregate and the final scores equal an in-process replay with the same
+    devices training and the same uploads accepted; every process started is gone at the end."""
     fig = soak.soak(tmp_path / "soak", nodes=4, rounds=4, seed=0, timeout=60, plan=SHORT_PLAN, kill_server_after=2)
     assert fig["problems"] == []
     assert {k: (f["injected"], f["left_out"]) for k, f in fig["faults"].items()} == {k: (1, 1) for k in FAULTS}
-    assert fig["server_kills"] == 1 and fig["submissions"] == 2 and fig["device_restarts"] == 2
-    assert fig["aggregates_equal_to_replay"] == 4 and fig["rounds_completed"] == 4
+    assert fig["server_kills"] == 1 and fig["killed_in_round"] == 3 and fig["submissions"] == 2
+    assert fig["device_restarts"] == 2 and fig["aggregates_equal_to_replay"] == 4 and fig["rounds_completed"] == 4
+    assert fig["tls"] and fig["processes_left"] == 0
+    # the devices kept their private state (specialists, router, optimizer) on disk, keyed by client id
+    states = {p.name.split(".")[0] for p in (tmp_path / "soak" / "state").rglob("client*.pt")}
+    assert states == {f"client{c}" for c in range(4)}
     # the check itself can fail: one rejected upload logged as accepted, one aggregate altered
     out = tmp_path / "soak" / "flower" / "comigs-1g1s"
     rows = _rows(out / "metrics.jsonl")
@@ -89,68 +87,6 @@ def test_a_short_soak_survives_one_fault_of_each_kind_and_equals_its_in_process_
     problems = soak.check(tmp_path / "soak", [f"user{c:02d}" for c in range(4)], SHORT_PLAN, 4)["problems"]
     assert any("round 1 client 0: nan not left out" in p for p in problems)
     assert any("rounds' aggregates equal the replay's" in p for p in problems)
-
-
-def _wait_for(condition, what: str, fed, timeout: float = 600) -> None:
-    deadline = time.time() + timeout
-    while not condition():
-        assert time.time() < deadline, f"waited {timeout:.0f} s for {what}:\n" + fed.log_of("superlink")[-3000:]
-        time.sleep(0.2)
-
-
-def test_tls_auth_deployment_with_its_server_killed_twice_gives_the_in_process_numbers(tmp_path):
-    """A TLS + authenticated loopback deployment equals the in-process engine bit for bit (to float
-    noise), even when its ServerApp is killed between rounds and within one and restarted each time
-    with the same command."""
-    data = _user_dirs(tmp_path / "data")
-    cfg = _config(tmp_path, data, rounds=3, eval_every=3)
-    assert main(["run", str(cfg), f"run_dir={tmp_path / 'inproc'}"]) == 0
-    out = tmp_path / "flower" / "comigs-1g1s"
-    rc = {"config": str(cfg), "run-dir": str(tmp_path / "flower"), "clients": 3, "timeout": 120.0}
-    runs = []
-
-    def submit():  # the same command each time, in the background (it streams until its run ends)
-        runs.append(threading.Thread(target=fed.run, args=(rc,), kwargs={"timeout": 900}))
-        runs[-1].start()
-
-    def logged(rnd):
-        return (out / "metrics.jsonl").exists() and sum(
-            r["round"] == rnd for r in _rows(out / "metrics.jsonl")) == 3
-    with Federation(tmp_path / "fed") as fed:
-        _start(fed, data, tmp_path / "state")
-        submit()
-        _wait_for(lambda: logged(1) and (out / "checkpoint.pt").exists(), "round 1", fed)
-        assert fed.kill_serverapp() == 1  # killed between rounds: round 1 checkpointed, round 2 just sent
-        submit()
-        # killed within round 3: a device has trained it (its state file is written), the server has not
-        # aggregated it; the restarted server re-sends round 3 and the devices replay it from round 2's state
-        _wait_for(lambda: any((tmp_path / "state").rglob("client*.round3.pt")) and fed.serverapps(), "round 3", fed)
-        assert not logged(3)
-        assert fed.kill_serverapp() == 1
-        submit()
-        _wait_for(lambda: (out / "results.json").exists(), "the end of the run", fed, timeout=900)
-        for t in runs:
-            t.join(timeout=120)
-        assert "--insecure" not in " ".join(fed.procs["superlink"].args)
-        pids = [p.pid for p in fed.procs.values()]
-    for pid in pids:  # every process we started is gone
-        assert subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode != 0
-    a, b = _rows(out / "metrics.jsonl"), _rows(tmp_path / "inproc" / "comigs-1g1s" / "metrics.jsonl")
-    assert [(r["round"], r["user"]) for r in a] == [(r["round"], r["user"]) for r in b]  # no round twice or lost
-    for x, y in zip(a, b):
-        assert "failed" not in x
-        for k in ("train_loss", "test_ppl", "valid_ppl"):
-            assert (k in x) == (k in y), (x["round"], k)
-            if k in y:
-                assert x[k] == pytest.approx(y[k], rel=1e-4), (x["round"], k)
-        assert (x["bytes_up"], x["bytes_down"]) == (y["bytes_up"], y["bytes_down"])
-    final = json.loads((out / "results.json").read_text())["per_user"]
-    reference = json.loads((tmp_path / "inproc" / "comigs-1g1s" / "results.json").read_text())["per_user"]
-    assert {u: m["test_ppl"] for u, m in final.items()} == pytest.approx({u: m["test_ppl"] for u, m in reference.items()},
-                                                                         rel=1e-4)
-    # the devices kept their private state (specialists, router, optimizer) on disk, keyed by client id
-    states = sorted(p.name for p in (tmp_path / "state").rglob("client*.pt"))
-    assert {s.split(".")[0] for s in states} == {"client0", "client1", "client2"}
 
 
 def test_ray_simulation_equals_in_process(tmp_path):

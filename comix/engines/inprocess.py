@@ -103,11 +103,13 @@ def cohort_size(algorithm: Algorithm, base: nn.Module, users: list[UserData], ru
         return 1, reason
     if want != "auto":
         return min(want, len(users)), ""
+    from ..runtime import note_runtime
     from .device import planned_base_bytes, training_memory
     quant = runtime.quant_of(0)
     firsts = {repr(algorithm.adapter_config(c)): c for c in reversed(range(len(users)))}  # one client an architecture
     need = max(training_memory(base, algorithm, users[c], c, micro_batches=(1,))[(quant, 1)] for c in firsts.values())
-    per_client = max(1.0, need - planned_base_bytes(base)[quant] / 2**20)  # MB beyond the base, the largest client
+    # MB beyond the base and the process's runtime (both held once, whatever the cohort), the largest client
+    per_client = max(1.0, need - note_runtime() - planned_base_bytes(base)[quant] / 2**20)
     if runtime.device.type == "cuda":
         free = torch.cuda.mem_get_info(runtime.device)[0] / 2**20
     else:  # Linux: what the kernel can give without swapping
