@@ -1,7 +1,8 @@
 """Every generated table of the README and docs, from committed result files.
 
     python bench/tables.py                 # rewrite the generated tables in README.md and docs/*.md
-    python bench/tables.py --check         # exit 1 (naming the block) if a doc's table differs
+    python bench/tables.py --check         # exit 1 (naming the block) if a doc's table differs, or a
+                                           # number quoted in prose from its file (bench/quotes.py)
     python bench/tables.py --save RUN [RUN ...] CASE   # finished runs or compare folders (or a committed
                                                        # case, to add seeds) into bench/results/CASE/
 
@@ -851,6 +852,11 @@ def main(argv=None) -> int:
     if args.check and stale:
         print(f"bench/tables.py: generated tables differ from their result files in {'; '.join(stale)}; "
               "run python bench/tables.py")
+        return 1
+    sys.path.insert(0, str(Path(__file__).parent))
+    from quotes import stale_quotes  # the numbers quoted in prose (bench/quotes.py)
+    if wrong := stale_quotes(DOCS):
+        print("bench/tables.py: numbers quoted in prose differ from their files:\n  " + "\n  ".join(wrong))
         return 1
     print(("checked" if args.check else "wrote") + f" {sum(len(MARK.findall(d.read_text())) for d in DOCS)} tables")
     return 0

@@ -350,3 +350,40 @@ def test_saving_a_case_again_keeps_its_notes(tmp_path, monkeypatch):
     tables.save([run], "c", {"kind": "users"})
     assert (tmp_path / "results" / "c" / "NOTES.md").read_text() == "diary"
     assert (tmp_path / "results" / "c" / "seed42" / "fedavg" / "results.json").exists()
+
+
+def _quotes():
+    spec = importlib.util.spec_from_file_location("quotes", ROOT / "bench" / "quotes.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_number_quoted_in_prose_is_checked_against_the_file_it_links(tmp_path, monkeypatch):
+    quotes = _quotes()
+    monkeypatch.setattr(quotes, "ROOT", tmp_path)
+    results = tmp_path / "bench" / "results"
+    results.mkdir(parents=True)
+    (results / "soak.json").write_text(json.dumps({"wall_s": 2394, "rows": [{"cohort": 4, "mb": 1881.4},
+                                                                              {"cohort": 8, "mb": 3012.0}]}))
+    (results / "job.md").write_text("| fp32 | 8.83 min | 4,412 MB |\n")
+    doc = tmp_path / "docs" / "x.md"
+    doc.parent.mkdir()
+    right = ("took [39.9 min](../bench/results/soak.json#wall_s/60), held [1,881 MB](../bench/results/soak.json#"
+             "rows.cohort=4.mb) and [60 %](../bench/results/soak.json#(rows.1.mb/rows.0.mb-1)*100); "
+             "[8.83 min](../bench/results/job.md), [4,412 MB](../bench/results/job.md)\n")
+    doc.write_text(right)
+    assert len(quotes.quotes(doc)) == 5 and quotes.stale_quotes([doc]) == []
+    for wrong, why in [("[39.8 min](../bench/results/soak.json#wall_s/60)", "the file says 39.90"),
+                       ("[1,882 MB](../bench/results/soak.json#rows.cohort=4.mb)", "the file says 1,881.4"),
+                       ("[2 MB](../bench/results/soak.json#rows.cohort=5.mb)", "cannot evaluate"),
+                       ("[2 MB](../bench/results/soak.json#wall)", "cannot evaluate"),
+                       ("[2 MB](../bench/results/gone.json#wall_s)", "no file"),
+                       ("[8.8 min](../bench/results/job.md)", "8.8 is not in the file"),
+                       ("[412 MB](../bench/results/job.md)", "412 is not in the file")]:
+        doc.write_text(right + wrong + "\n")
+        stale = quotes.stale_quotes([doc])
+        assert len(stale) == 1 and why in stale[0] and stale[0].startswith("docs/x.md: ["), (wrong, stale)
+    # a time, a memory or a rate in prose with no file behind it is listed; quoted or in a table, not
+    doc.write_text(right + "a round took 33 s.\n| phone | 1024 MB |\n```\ntook 5 s\n```\n")
+    assert [ln.split(": ", 1)[0] for ln in quotes.unbacked([doc])] == ["docs/x.md:2"]
