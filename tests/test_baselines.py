@@ -143,6 +143,25 @@ def test_pcl_mixes_after_round_five_then_every_second_round(setup, tmp_path):
     assert {r["round"] for r in rows if "trust" in r} == {6, 8}  # mixed at the start of the next round
 
 
+def test_pcl_whose_last_round_mixes_ends_on_the_mixed_model_it_scored(setup, tmp_path):
+    """Mixing after the last round (7 of 7): the final payload relays every peer's LoRA, and each
+    client ends on its trust-weighted mix of them, the model its final evaluation scored."""
+    model, users = setup
+    algo = make_algorithm("pcl", LoRAConfig(r=4), _train(rounds=7, local_steps=1), 3, eval_batches=2)
+    assert algo.mixes_after(7)
+    run_method(algo, model, users, tmp_path / "pcl", seed=1)
+    assert (tmp_path / "pcl" / "results.json").exists()
+    ctx, state = _client(algo, model, users, 0)
+    state, _, _ = algo.client_round(ctx, state, {})  # round 1 sends nothing: peers made from its LoRA
+    mine = algo.upload_of(state.adapters)
+    peers = {j: {n: t + 0.01 * torch.randn_like(t) for n, t in mine.items()} for j in range(3)}
+    _, payloads = algo.server_round(None, peers)
+    expected = algo.personal_adapters(ctx, state, payloads[0])
+    finished = algo.client_finish(ctx, ClientState(adapters=dict(state.adapters), step=state.step), payloads[0])
+    assert not all(torch.equal(state.adapters[n], expected[n]) for n in expected)  # the mix is not its own
+    assert all(torch.equal(finished.adapters[n], expected[n]) for n in expected)
+
+
 # -- FDLoRA --------------------------------------------------------------------------------------
 def test_fdlora_outer_optimizer_is_sgd_with_momentum():
     algo = _algo("fdlora-comigs", n=2)

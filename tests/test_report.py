@@ -108,7 +108,7 @@ def test_the_report_of_a_run_scored_once_has_pretrained_bars_routing_and_readabl
     assert "## Final scores" in md and "## Learning curves" not in md and "## Training loss" in md
     assert "## Token routing" in md and "comigs-1g1s, user alice's model on bob's text" in md
     assert "local: nothing left any device" in md and "| local | 1 |" not in md
-    assert page.overlaps == {}
+    assert page.overlaps == {} and page.unreadable == {}
     assert "<code>train.eval_every</code>" in page.html()  # markdown's inline code is rendered
 
 
@@ -131,7 +131,12 @@ def test_a_dp_compare_s_report_shows_utility_against_epsilon(run):
     assert "### Utility against privacy" in md and "privacy.png" in images
     assert "| fedavg clip=0.05 sigma=1 | 0.05 | 1 |" in md  # a spec's options as a short label
     assert "epsilon |" in md.split("Per user")[0]  # the results table has the epsilon column
-    assert page.overlaps == {}
+    assert page.overlaps == {} and page.unreadable == {}
+    # a spec by its short name in every table, the full spec once, in the legend table at the top
+    spec = "fedavg:privacy.clip=0.05,privacy.noise_multiplier=1"
+    assert f"| fedavg clip=0.05 sigma=1 | `{spec}` |" in md and md.count(spec) == 1 + md.count(f"`{spec}`") - 1
+    assert md.index(f"`{spec}`") < md.index("## Results") and "| fedavg clip=0.05 sigma=1 | " in md.split("Per user")[0]
+    assert "band: population std over seeds" in md  # two seeds: the spread drawn
 
 
 def test_the_gates_figure_takes_a_client_whose_experts_grew_between_rounds(tmp_path):
@@ -155,16 +160,27 @@ def test_utility_against_epsilon_labels_every_epsilon_and_shows_the_spread_over_
     """A log axis within one decade draws no labelled tick of its own: each epsilon run gets one;
     the std over seeds is an error bar; a method with one noise level says so in its legend."""
     from comix.reporting.figures import privacy_figure
+    one, two = {"privacy": {"noise_multiplier": 1.0}}, {"privacy": {"noise_multiplier": 2.0}}
     results = {"fedavg": {1: {"metric": "test_ppl", "mean": 30.0}},
-               "fedavg:privacy.noise_multiplier=1": {1: {"metric": "test_ppl", "mean": 40.0, "epsilon": 4.87},
-                                                     2: {"metric": "test_ppl", "mean": 42.0, "epsilon": 4.87}},
-               "fedavg:privacy.noise_multiplier=2": {1: {"metric": "test_ppl", "mean": 35.0, "epsilon": 2.1}},
-               "comigs-1g1s:privacy.noise_multiplier=1": {1: {"metric": "test_ppl", "mean": 38.0, "epsilon": 4.87}}}
+               "fedavg:privacy.noise_multiplier=1": {1: {"metric": "test_ppl", "mean": 40.0, "epsilon": 4.87, **one},
+                                                     2: {"metric": "test_ppl", "mean": 42.0, "epsilon": 4.87, **one}},
+               "fedavg:privacy.noise_multiplier=2": {1: {"metric": "test_ppl", "mean": 35.0, "epsilon": 2.1, **two}},
+               "comigs-1g1s:privacy.noise_multiplier=1": {1: {"metric": "test_ppl", "mean": 38.0, "epsilon": 4.87, **one}}}
     fig = privacy_figure(results)
     ax = fig.axes[0]
     fig.canvas.draw()
     labels = [t.get_text() for t in ax.get_xticklabels() if t.get_text()]
-    assert labels == ["2.1", "4.87"]
+    assert labels == ["2.1\nsigma 2", "4.87\nsigma 1"]  # sigma written at each epsilon
+    from comix.reporting.page import legend_covers, method_styles
+    assert legend_covers(fig) == []
+    # each method in its colour of every other figure, and the two at epsilon 4.87 side by side, not on top
+    from matplotlib.colors import to_hex
+    styles = method_styles(results)
+    drawn = {c.get_label(): to_hex(c.lines[0].get_color()) for c in ax.containers}
+    assert drawn["fedavg"] == styles["fedavg"].color and drawn["comigs-1g1s (one noise level)"] == styles[
+        "comigs-1g1s:privacy.noise_multiplier=1"].color != styles["fedavg"].color
+    xs = sorted(x for c in ax.containers for x in c.lines[0].get_xdata() if abs(x - 4.87) < 0.5)
+    assert len(xs) == 2 and xs[0] < xs[1]
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
     assert "comigs-1g1s (one noise level)" in legend and "fedavg" in legend and "fedavg, no DP" in legend
     caps = [c for c in ax.containers if hasattr(c, "has_yerr") and c.has_yerr]
@@ -177,7 +193,7 @@ def test_compare_curves_of_one_evaluated_iteration_are_bars_in_the_report_s_colo
     import matplotlib.pyplot as plt
 
     from comix.reporting.figures import plot_curves
-    from comix.reporting.page import COLORS
+    from comix.reporting.page import method_styles
     kept = []
     monkeypatch.setattr(plt, "close", lambda fig=None: kept.append(fig))
     data = {"local": {"de": [(12, 30.0)], "fr": [(12, 32.0)]}, "fedavg": {"de": [(12, 28.0)], "fr": [(12, 29.0)]}}
@@ -186,11 +202,12 @@ def test_compare_curves_of_one_evaluated_iteration_are_bars_in_the_report_s_colo
     assert [t.get_text() for t in ax.get_xticklabels()] == ["local", "fedavg"]
     assert [p.get_height() for p in ax.patches] == [31.0, 28.5]
     from matplotlib.colors import to_hex
-    assert [to_hex(p.get_facecolor()) for p in ax.patches] == COLORS[:2]
+    styles = method_styles(["local", "fedavg"])
+    assert [to_hex(p.get_facecolor()) for p in ax.patches] == [styles["local"].color, styles["fedavg"].color]
     data = {"local": {"de": [(4, 30.0), (8, 28.0)]}}  # two iterations: a curve, whole-number ticks
     assert plot_curves(data, tmp_path / "d.png", per_user=False)
     ax = kept[-1].axes[0]
-    assert not ax.patches and to_hex(ax.lines[0].get_color()) == COLORS[0]
+    assert not ax.patches and to_hex(ax.lines[0].get_color()) == styles["local"].color
     assert all(float(t).is_integer() for t in ax.get_xticks())
 
 
@@ -203,5 +220,89 @@ def test_the_gates_of_many_clients_are_drawn_four_to_a_row_and_the_caption_names
     gates_section(page, {"comigs-1g1s": {1: tmp_path}})
     fig_block = next(b for b in page.blocks if b[0] == "fig")
     caption = fig_block[3]
-    assert "first 8 of 10 clients (client00 to client07)" in caption
+    assert "8 of the 10 clients, the first scored: client00, client01, client02, client03, client04, client05, " \
+           "client06, client07" in caption  # the clients drawn, each named
     assert not page.overlaps  # tick labels readable: four users a row, not ten squeezed into one
+
+
+def test_text_too_small_at_the_page_s_width_and_legends_over_data_are_found():
+    """What the review found at 1280 px: a 12.8-inch figure with 6-pt labels (shown at 1100 px,
+    they read as 6.6 px) and a legend inside the axes over the last devices' bars."""
+    from comix.reporting.page import legend_covers, plt_, small_text
+    plt = plt_()
+    fig, ax = plt.subplots(figsize=(12.8, 3))
+    ax.bar(range(4), [1, 1, 1, 1], label="a method")
+    ax.set_xticks(range(4), ["de", "fr", "it", "nl"], fontsize=6)
+    ax.legend(loc="upper right")
+    assert set(small_text(fig)) == {"de", "fr", "it", "nl"}
+    assert legend_covers(fig) == ["a method"]
+    ax.set_xticks(range(4), ["de", "fr", "it", "nl"], fontsize=9)
+    ax.get_legend().remove()
+    fig.set_figwidth(10)
+    fig.legend(loc="outside upper center")
+    assert small_text(fig) == [] and legend_covers(fig) == []
+    fig, ax = plt.subplots(figsize=(6, 3))  # a line passing under the legend, no point inside it
+    ax.plot([0, 10], [0, 10], label="a line")
+    ax.legend(loc="center")
+    assert legend_covers(fig) == ["a line"]
+    plt.close("all")
+
+
+def test_a_method_has_one_colour_whatever_else_the_page_shows():
+    """The same colour for a method on every page (comigs-1g1s was blue on one page and orange on
+    another, pfedmoe the grey of the Pretrained reference); its variants share it, drawn dashed and
+    hatched."""
+    from comix.reporting.page import REFERENCE, method_styles
+    a = method_styles(["comigs-1g1s", "fedavg"])
+    b = method_styles(["centralized", "comigs-1g1s", "comigs-2g", "fedavg", "local", "pfedmoe", "pretrained",
+                       "fedavg:privacy.clip=0.3,privacy.noise_multiplier=1", "hetlora:reg=0.05", "fedit", "fedprompt"])
+    assert a["comigs-1g1s"].color == b["comigs-1g1s"].color and a["fedavg"].color == b["fedavg"].color
+    colours = [st.color for s, st in b.items() if ":" not in s and s != "pretrained"]
+    assert len(set(colours)) == len(colours) and REFERENCE not in colours and b["pretrained"].color == REFERENCE
+    dp = b["fedavg:privacy.clip=0.3,privacy.noise_multiplier=1"]
+    assert dp.color == b["fedavg"].color and (dp.ls, dp.hatch) != (b["fedavg"].ls, b["fedavg"].hatch)
+
+
+def _metrics(folder, rows):
+    folder.mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+def test_curves_over_seeds_have_a_band_and_a_sampled_round_says_so(tmp_path, monkeypatch):
+    """Two seeds: the std over seeds drawn as a band; rounds that scored a sample of the clients
+    (train.eval_clients) say so in the caption; the legend beside the plot, over no data."""
+    import matplotlib.pyplot as plt
+
+    from comix.reporting.curves import curves_section
+    from comix.reporting.page import Page
+    kept = []
+    monkeypatch.setattr(plt, "close", lambda fig=None: kept.append(fig))
+    runs = {}
+    for spec, base in (("fedavg", 30.0), ("local", 32.0)):
+        for seed in (1, 2):
+            rows = [{"round": r, "user": u, "test_ppl": base - r + seed, "train_loss": 3.0 - 0.1 * r + 0.01 * seed}
+                    for r in (1, 2, 3) for u in (["c0", "c1", "c2", "c3"] if r == 3 else ["c1"])]
+            runs.setdefault(spec, {})[seed] = d = _metrics(tmp_path / f"seed{seed}" / spec, rows)
+            (d / "results.json").write_text(json.dumps({"method": spec, "rounds": 3, "mean": base, "per_user": {}}))
+    page = Page("t", runs)
+    curves_section(page, runs)
+    caption = next(b[3] for b in page.blocks if b[0] == "fig" and b[1] == "curves.png")
+    assert "band: population std over seeds" in caption and "rounds 1 to 2 scored a sample of 1 of the 4 clients" in caption
+    ax = kept[0].axes[0]
+    assert len(ax.collections) == 2  # a band per method
+    assert page.unreadable == {} and page.overlaps == {}
+
+
+def test_gates_of_one_evaluated_round_are_bars_not_lone_dots(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    from comix.reporting import Page, gates_section
+    kept = []
+    monkeypatch.setattr(plt, "close", lambda fig=None: kept.append(fig))
+    rows = [{"round": 3, "user": u, "gates": [[0.4, 0.6], [0.5, 0.5]]} for u in ("de", "fr")]
+    page = Page("t")
+    gates_section(page, {"comigs-1g1s": {1: _metrics(tmp_path / "m", rows)}})
+    top = kept[0].axes[0]
+    assert not top.lines and len(top.patches) == 2
+    assert page.unreadable == {} and page.overlaps == {}

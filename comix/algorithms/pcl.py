@@ -108,6 +108,13 @@ class PCL(Algorithm):
     def personal_adapters(self, ctx: ClientContext, state: ClientState, payload: Tensors) -> Tensors:
         return self.mix(ctx, state, payload)[0]
 
+    def client_finish(self, ctx: ClientContext, state: ClientState, payload: Tensors) -> ClientState:
+        """After the last round: a last mixing round's relayed peers mixed as at the start of a
+        round (the model the final evaluation scored, ``personal_adapters``); a payload of peers
+        is not this client's own LoRA, which ``apply_payload`` alone would expect."""
+        state.adapters = self.mix(ctx, state, payload)[0]
+        return state
+
     def client_round(self, ctx: ClientContext, state: ClientState, payload: Tensors):
         state.adapters, trust = self.mix(ctx, state, payload)
         rnd = state.step // self.train.local_steps + 1  # the round being trained, from 1

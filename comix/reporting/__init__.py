@@ -6,7 +6,8 @@ method gets every section its records allow:
   results.json ............ results: mean (std) over seeds, per-user table, each method's scoring rule,
                             epsilon and utility against epsilon when DP was on (sections.py)
   metrics.jsonl ........... learning curves (task metric per evaluated round, per method and user; a
-                            bar chart when only one round was evaluated), training loss per round;
+                            bar chart when only one round was evaluated), training loss per round,
+                            the std over seeds as bands (curves.py);
                             communication and compute (bytes up / down, update norm, time per round);
                             what each device spent: its training memory, uploads, tokens, drops (devices.py)
   metrics.jsonl "gates" ... expert scores over training (CoMiGS Fig. 4 / 10: mean gate per expert
@@ -17,6 +18,9 @@ method gets every section its records allow:
   server.jsonl ............ FedAMoLE's assignment view (Fig. 8) and solve times; DeepFusion's KD
                             loss terms per step and its clusters; epsilon per round
   privacy.md .............. what left each device
+Every table and figure names a method by its short name (``comparison.short_spec``; a table at the
+top maps each to its spec) and draws it in one colour (``page.method_styles``); every figure is
+checked for overlapping tick labels, text too small at the page's width and legends over data.
 Writes ``report.html`` (self-contained: images inline as data URIs, no network) and ``report.md``
 (the same content, its images under ``report-files/``), each through a temp file and a rename.
 """
@@ -30,19 +34,24 @@ from .page import Page, md_to_html, overlapping_tick_labels
 from .records import ReportError, find_runs, scoring_rule
 from .routing import routing_section, token_pieces
 from .devices import devices_section
-from .sections import curves_section, gates_section, privacy_section, results_section, traffic_section
+from .curves import curves_section
+from .sections import gates_section, privacy_section, results_section, traffic_section
 from .server import server_section
 
 
 def build_page(path: Path, routing: bool = True) -> Page:
     """The report of ``path`` (a run, compare or method folder) as a Page, not yet written."""
+    from ..comparison import short_spec
     runs = find_runs(path)
-    page = Page(f"comix report: {path.name}")
+    page = Page(f"comix report: {path.name}", runs)
     seeds = sorted({s for by in runs.values() for s in by})
-    page.md(f"Folder `{path}`; methods: {', '.join(runs)}; seeds: {seeds}.")
+    page.md(f"Folder `{path}`; methods: {', '.join(map(short_spec, runs))}; seeds: {seeds}.")
     setup = setup_line(path)
     if setup:
         page.md(setup)
+    if any(short_spec(s) != s for s in runs):  # every table and figure names a method by its short name
+        page.md("Methods by the short name every table and figure gives them:\n\n| short name | method spec |\n|---|---|\n"
+                + "\n".join(f"| {short_spec(s)} | `{s}` |" for s in runs if short_spec(s) != s))
     results_section(page, runs)
     curves_section(page, runs)
     gates_section(page, runs)

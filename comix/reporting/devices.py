@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .page import COLORS, Page, plt_
+from .page import Page, plt_
 from .records import jsonl
 
 
@@ -15,6 +15,7 @@ def _natural(name: str):
 
 
 def devices_section(page: Page, runs: dict[str, dict[int, Path]]) -> None:
+    from ..comparison import short_spec
     per = {}  # spec -> {user: (max memory MB, MB up, tokens, dropped rounds, base precision and slices)}
     for spec, by in runs.items():
         rows = [r for r in jsonl(by[min(by)] / "metrics.jsonl") if "memory_mb" in r or r.get("dropped")]
@@ -31,29 +32,30 @@ def devices_section(page: Page, runs: dict[str, dict[int, Path]]) -> None:
     lines = ["| method | device | base | training memory MB (max) | MB up (sum) | tokens (sum) | rounds dropped |",
              "|---|---|---|---|---|---|---|"]
     for spec, by_user in per.items():
-        lines += [f"| {spec} | {u} | {q} | {m:.1f} | {up:.3f} | {t:,} | {d} |" for u, (m, up, t, d, q) in by_user.items()]
+        lines += [f"| {short_spec(spec)} | {u} | {q} | {m:.1f} | {up:.3f} | {t:,} | {d} |" for u, (m, up, t, d, q) in by_user.items()]
     page.md("## What each device spent\n\nFirst seed, per device: the largest training memory of its rounds "
             "(frozen base at its precision, \"base\" with the slices its batches were computed in, + trainable state + "
             "one step's activations), what it uploaded, the "
             "tokens it trained on, and the rounds a fleet's deadline or availability left it out.\n\n"
             + "\n".join(lines))
     plt = plt_()
-    many = len(next(iter(per.values()))) > 12
-    fig, axes = plt.subplots(2 if many else 1, 1 if many else 2, figsize=(10, 6.4 if many else 3.6))
+    many = len({u for by_user in per.values() for u in by_user}) > 12
+    fig, axes = plt.subplots(2 if many else 1, 1 if many else 2, figsize=(10, 6.8 if many else 3.9), layout="constrained")
     width = 0.8 / len(per)
+    users = sorted({u for by_user in per.values() for u in by_user}, key=_natural)  # a bar at its device's name
     for i, (spec, by_user) in enumerate(per.items()):
-        xs = [j + i * width for j in range(len(by_user))]
-        axes[0].bar(xs, [v[0] for v in by_user.values()], width, label=spec, color=COLORS[i % len(COLORS)])
-        axes[1].bar(xs, [v[1] for v in by_user.values()], width, label=spec, color=COLORS[i % len(COLORS)])
-    users = list(next(iter(per.values())))
+        xs = [users.index(u) + i * width for u in by_user]
+        style = page.style(spec).bar()
+        axes[0].bar(xs, [v[0] for v in by_user.values()], width, label=short_spec(spec), **style)
+        axes[1].bar(xs, [v[1] for v in by_user.values()], width, **style)
     for ax, label in zip(axes, ("training memory MB (max)", "MB uploaded (sum)")):
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(users))])
-        # the devices named as in the tables, however many (a small font, upright, past 12)
+        # the devices named as in the tables, however many (7 pt, upright, past 12: 6 pt did not read)
         ax.set_xticklabels(users, rotation=90 if len(users) > 12 else 45 if len(users) > 6 else 0,
                            ha="center" if len(users) > 12 or len(users) <= 6 else "right",
-                           fontsize=6 if len(users) > 12 else 9)
+                           fontsize=7 if len(users) > 12 else 9)
         ax.set_xlabel("device")
         ax.set_ylabel(label)
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
+    # the legend above the bars: inside the axes it covered the last devices' bars
+    fig.legend(fontsize=8, loc="outside upper center", ncol=min(4, len(per)))
     page.fig(fig, "devices.png", "Each device's largest training memory and what it uploaded, per method (first seed)")

@@ -22,9 +22,11 @@ def plot_curves(data: dict, path: Path, per_user: bool, refs: dict | None = None
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
+    from ..comparison import short_spec
     from ..files import atomic_write
-    from .page import COLORS
+    from .page import method_styles
 
+    styles = method_styles([*data, *(refs or {})])  # the report's colour of each method
     users = sorted({u for by_user in data.values() for u in by_user})
     if not users or (per_user and len(users) > MANY_USERS):  # untrained methods only (Pretrained): no curve
         return False
@@ -40,17 +42,17 @@ def plot_curves(data: dict, path: Path, per_user: bool, refs: dict | None = None
                 its = sorted({it for u in by_user.values() for it, _ in u})
                 pts = [(it, statistics.fmean(v for u in by_user.values() for i, v in u if i == it)) for it in its]
             if pts and not single:
-                ax.plot(*zip(*pts), marker="o", ms=3, color=COLORS[i % len(COLORS)], label=spec)
+                ax.plot(*zip(*pts), ms=3, label=short_spec(spec), **styles[spec].line())
             names.append(spec)
             values.append(pts[-1][1] if pts else float("nan"))
         if single:  # the score of the one evaluated iteration (the last), a bar per method
-            bars = ax.bar(range(len(names)), values, color=[COLORS[i % len(COLORS)] for i in range(len(names))])
-            ax.bar_label(bars, fmt="%.4g", fontsize=7)
-            ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=7)
+            for k, spec in enumerate(names):
+                ax.bar_label(ax.bar([k], [values[k]], **styles[spec].bar()), fmt="%.4g", fontsize=7)
+            ax.set_xticks(range(len(names)), [short_spec(n) for n in names], rotation=30, ha="right", fontsize=7)
         for spec, by_user in (refs or {}).items():
             level = by_user.get(panel) if per_user else statistics.fmean(by_user.values())
             if level is not None:
-                ax.axhline(level, ls="--", lw=1, color="grey", label=spec)
+                ax.axhline(level, ls="--", lw=1, color="grey", label=short_spec(spec))
         ax.set_title(panel)
         if not single:
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # iterations are whole numbers
@@ -58,50 +60,65 @@ def plot_curves(data: dict, path: Path, per_user: bool, refs: dict | None = None
         ax.ticklabel_format(axis="y", useOffset=False, style="plain")
         ax.set_ylabel(ylabel)
     if not single or refs:
-        axes[0][-1].legend(fontsize=7)
+        axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the plot, over no data
     fig.tight_layout()
     atomic_write(path, lambda p: fig.savefig(p, dpi=120, format="png"))
     plt.close(fig)
     return True
 
 
-def privacy_figure(results: dict[str, dict[int, dict]]):
+def privacy_figure(results: dict[str, dict[int, dict]], styles: dict | None = None):
     """The task metric against epsilon, one line per method over its noise levels with the
     population std over seeds as error bars (noise-free runs drawn as a dashed reference), each
-    epsilon a labelled tick (a log axis within one decade has no labelled tick of its own); None
-    when no run added noise."""
+    epsilon a labelled tick with its noise multiplier sigma under it (a log axis within one decade
+    has no labelled tick of its own); methods at the same epsilon drawn side by side, not on top
+    of each other; each method in its page colour (``styles``: page.method_styles), the legend
+    beside the plot. None when no run added noise."""
+    from .page import method_styles
+    styles = styles or method_styles(results)
     points: dict[str, list[tuple[float, float, float]]] = {}
     free: dict[str, float] = {}
+    sigmas: dict[float, set] = {}
+    colour: dict[str, str] = {}
     for spec, by_seed in results.items():
         values = [metric_of(r)[1] for r in by_seed.values()]
         mean = statistics.fmean(values)
         method = spec.split(":")[0]
-        eps = next(iter(by_seed.values())).get("epsilon")
+        first = next(iter(by_seed.values()))
+        eps = first.get("epsilon")
         if eps is None:
             free[method] = mean
+            colour[method] = styles[spec].color if spec in styles else colour.get(method)
         else:
             points.setdefault(method, []).append((eps, mean, statistics.pstdev(values)))
+            sigmas.setdefault(float(f"{eps:.3g}"), set()).add((first.get("privacy") or {}).get("noise_multiplier"))
+            colour.setdefault(method, styles[spec].color if spec in styles else None)
     if not points:
         return None
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6.5, 3.8))
-    for i, (method, pts) in enumerate(sorted(points.items())):
-        pts.sort()
-        bars = ax.errorbar([e for e, _, _ in pts], [v for _, v, _ in pts], yerr=[s for _, _, s in pts], fmt="o-",
-                           capsize=3, label=method + (" (one noise level)" if len(pts) == 1 else ""))
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    methods = sorted(points)
+    for i, method in enumerate(methods):
+        pts = sorted(points[method])
+        dodge = 1.02 ** (i - (len(methods) - 1) / 2)  # x factor on the log axis: equal epsilons side by side
+        bars = ax.errorbar([e * dodge for e, _, _ in pts], [v for _, v, _ in pts], yerr=[s for _, _, s in pts], fmt="o-",
+                           capsize=3, color=colour.get(method), label=method + (" (one noise level)" if len(pts) == 1 else ""))
         if method in free:
             ax.axhline(free[method], ls="--", color=bars.lines[0].get_color(), lw=1, label=f"{method}, no DP")
     ax.set_xscale("log")
     from matplotlib.ticker import FixedLocator, NullLocator
-    ticks = sorted({float(f"{e:.3g}") for pts in points.values() for e, _, _ in pts})
+    ticks = sorted(sigmas)
     ax.xaxis.set_major_locator(FixedLocator(ticks))  # each epsilon run, labelled as it reads
     ax.xaxis.set_minor_locator(NullLocator())
-    ax.set_xticks(ticks, [f"{e:g}" for e in ticks])
-    ax.set_xlabel("epsilon after the last round (log)")
+    known = {e: sorted(x for x in sigmas[e] if x is not None) for e in ticks}
+    ax.set_xticks(ticks, [f"{e:g}" + ("\nsigma " + "/".join(f"{x:g}" for x in known[e]) if known[e] else "") for e in ticks])
+    if len(ticks) == 1:  # one epsilon: room either side for the side-by-side points
+        ax.set_xlim(ticks[0] / 1.3, ticks[0] * 1.3)
+    ax.set_xlabel("epsilon after the last round (log), its noise multiplier sigma below")
     ax.set_ylabel(metric_title([r for by in results.values() for r in by.values()]))
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the plot, over no point
     fig.tight_layout()
     return fig
 

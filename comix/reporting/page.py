@@ -7,7 +7,12 @@ import html
 import io
 import re
 
-COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
+COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf",
+          "#393b79", "#000000", "#8c6d31", "#637939", "#ad494a"]  # no grey: grey is the references' (Pretrained)
+REFERENCE = "#7f7f7f"
+# experts (gates, token routing) in a palette of their own (Set2): in the methods' colours, expert 0
+# and 1 read as comigs-1g1s and fedavg of the figure above them
+EXPERT_COLORS = ["#66c2a5", "#fc8d62", "#8da0cb", "#e78ac3", "#a6d854", "#ffd92f", "#e5c494", "#b3b3b3"]
 STYLE = ("body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}"
          "table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:left}"
          "td.n{text-align:right;font-variant-numeric:tabular-nums}th{background:#f3f3f3}img{max-width:100%}"
@@ -15,7 +20,7 @@ STYLE = ("body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto
          "figcaption{color:#555;font-size:.9em}.tok{white-space:pre-wrap;font-family:monospace;"
          "line-height:1.7;margin:.2em 0}.tok span{border-radius:3px}.panels{display:grid;grid-template-columns:1fr 1fr;"
          "gap:.6em}.panel{border:1px solid #ddd;border-radius:4px;padding:.4em;font-size:.85em}"
-         "pre{background:#f7f7f7;padding:.5em;overflow:auto}")
+         "pre{background:#f7f7f7;padding:.5em;overflow:auto}figure{margin:1em 0}")  # a figure gets the page's 1100 px
 
 
 def plt_():
@@ -55,13 +60,107 @@ def round_axis(ax, rounds) -> None:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=6))
 
 
+PAGE_PX, DPI, MIN_TEXT_PX = 1100, 100, 9.5  # the page's width; a figure's text at least 7 pt at 100 dpi, unscaled
+
+
+def small_text(fig) -> list[str]:
+    """Texts of the figure smaller than MIN_TEXT_PX once the page shows it (a figure wider than
+    PAGE_PX is scaled down: a 12.8-inch figure's 6-pt labels read as 6.6 px at 1280 px)."""
+    from matplotlib.text import Text
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    scale = min(1.0, PAGE_PX / (fig.get_figwidth() * DPI))
+    return sorted({t.get_text() for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip()
+                   and t.get_window_extent(renderer).overlaps(fig.bbox) and t.get_fontsize() * DPI / 72 * scale < MIN_TEXT_PX})
+
+
+def legend_covers(fig) -> list[str]:
+    """Labels of the legends drawn over data (a line's points and segments, a bar, an error bar,
+    a band, a scatter point): a legend must cover none."""
+    import numpy as np
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    out = []
+    for leg in [ax.get_legend() for ax in fig.axes if ax.get_legend()] + list(fig.legends):
+        box = leg.get_window_extent(renderer)
+        for ax in fig.axes:
+            shapes = [a.get_transform().transform(a.get_xydata()) for a in ax.lines]
+            shapes += [c.get_transform().transform(p.vertices) for c in ax.collections for p in c.get_paths()
+                       if len(c.get_offsets()) <= 1]
+            shapes += [c.get_offset_transform().transform(c.get_offsets()) for c in ax.collections if len(c.get_offsets()) > 1]
+            hit = any(p.get_window_extent(renderer).overlaps(box) for p in ax.patches)
+            for xy in shapes:  # each segment sampled, so a line passing under the legend counts
+                xy = np.asarray(xy, dtype=float)
+                if len(xy) > 1:
+                    t = np.linspace(0, 1, 25)[:, None, None]
+                    xy = (xy[:-1] * (1 - t) + xy[1:] * t).reshape(-1, 2)
+                hit = hit or any(box.contains(x, y) for x, y in xy if np.isfinite(x) and np.isfinite(y))
+            if hit:
+                out.append(", ".join(t.get_text() for t in leg.get_texts()))
+                break
+    return out
+
+
+class Style:
+    """How one method is drawn in every figure: its colour and, for a variant of it (a spec with
+    options: DP, a rank), its own line style, marker and bar hatch."""
+
+    def __init__(self, color: str, ls: str = "-", marker: str = "o", hatch: str = ""):
+        self.color, self.ls, self.marker, self.hatch = color, ls, marker, hatch
+
+    def line(self) -> dict:
+        return {"color": self.color, "ls": self.ls, "marker": self.marker}
+
+    def bar(self) -> dict:
+        # a white hatch and no edge: an edge line ate a narrow bar's colour
+        return {"color": self.color, "hatch": self.hatch, "hatchcolor": "white", "linewidth": 0}
+
+
+# One colour per method across every figure and page (the review's standard): the methods of the
+# papers' grids keep a fixed colour whatever else a page shows; another method takes the first
+# colour none on its page holds; a method's variants share its colour, told apart by line and hatch.
+FIXED = ("comigs-1g1s", "fedavg", "local", "centralized", "pcl", "pfedmoe", "fdlora-comigs", "comigs-2s", "comigs-2g",
+         "fedamole", "hetlora", "flexlora")
+VARIANTS = [("-", "o", ""), ("--", "s", "//"), (":", "^", ".."), ("-.", "D", "xx")]
+
+
+def method_styles(specs) -> dict[str, Style]:
+    specs = list(dict.fromkeys(specs))
+    bases = list(dict.fromkeys(s.split(":")[0] for s in specs))
+    taken = {COLORS[FIXED.index(b)] for b in bases if b in FIXED}
+    free = [c for c in COLORS if c not in taken]
+    colour, k = {}, 0
+    for b in bases:
+        if b == "pretrained":
+            colour[b] = REFERENCE
+        elif b in FIXED:
+            colour[b] = COLORS[FIXED.index(b)]
+        else:
+            colour[b], k = (free or COLORS)[k % len(free or COLORS)], k + 1
+    out, seen = {}, {}
+    for s in sorted(specs, key=lambda s: ":" in s):  # the plain method first: it gets the solid line
+        b = s.split(":")[0]
+        seen[b] = seen.get(b, -1) + 1
+        out[s] = Style(colour[b], *VARIANTS[seen[b] % len(VARIANTS)])
+    return {s: out[s] for s in specs}
+
+
 class Page:
     """Sections of markdown text and figures, rendered to HTML and markdown alike. Every figure is
-    checked for overlapping tick labels as it is added (``overlaps``: what a test asserts empty)."""
+    checked as it is added for overlapping tick labels (``overlaps``), text too small at the page's
+    width and legends over data (``unreadable``): what tests assert empty. ``styles``: each
+    method's colour, the same in every figure of the page."""
 
-    def __init__(self, title: str):
+    def __init__(self, title: str, specs=()):
         self.title, self.blocks = title, []  # ("md", text) | ("fig", name, png bytes, caption) | ("html", html, md)
         self.overlaps: dict[str, list[tuple[str, str]]] = {}
+        self.unreadable: dict[str, list[str]] = {}
+        self.styles = method_styles(specs)
+
+    def style(self, spec: str) -> Style:
+        if spec not in self.styles:
+            self.styles = method_styles([*self.styles, spec])
+        return self.styles[spec]
 
     def md(self, text: str) -> None:
         self.blocks.append(("md", text))
@@ -71,8 +170,12 @@ class Page:
         clash = overlapping_tick_labels(fig)
         if clash:
             self.overlaps[name] = clash
+        bad = [f"text under {MIN_TEXT_PX} px: {t!r}" for t in small_text(fig)] + \
+              [f"legend over data: {t}" for t in legend_covers(fig)]
+        if bad:
+            self.unreadable[name] = bad
         buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=100)
+        fig.savefig(buf, format="png", dpi=DPI)
         plt.close(fig)
         self.blocks.append(("fig", name, buf.getvalue(), caption))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
-from .page import COLORS, Page
+from .page import EXPERT_COLORS as COLORS, Page  # experts: their own palette
 from .records import jsonl
 
 
@@ -18,11 +18,14 @@ def routing_section(page: Page, runs: dict[str, dict[int, Path]], texts_per_user
     from ..data import load_corpus, make_user_data
     from ..models import mixtures, routing_stats, set_record_stats
     from ..personal import ExportError, rebuild, run_config
-    blocks, n_experts = [], 1
+    from ..comparison import short_spec
+    from .curves import natural
+    blocks, n_experts, shown = [], 1, {}
+    seeds = {s for by in runs.values() for s in by}
     for spec, by in runs.items():
         d = by[min(by)]
         # gates are recorded in evaluated rounds only (``train.eval_every``): any round names the users
-        users = list(dict.fromkeys(r["user"] for r in jsonl(d / "metrics.jsonl") if "gates" in r))
+        users = sorted(dict.fromkeys(r["user"] for r in jsonl(d / "metrics.jsonl") if "gates" in r), key=natural)
         if not users or not (d / "adapters").is_dir():
             continue
         cfg = load_config(str(run_config(d)))
@@ -38,6 +41,7 @@ def routing_section(page: Page, runs: dict[str, dict[int, Path]], texts_per_user
             if data is None:
                 data = {u.name: u for u in make_user_data(load_corpus(cfg.corpus), tok, cfg.data)}
             picked = sorted({0, len(layers) // 2, len(layers) - 1})
+            shown.setdefault(short_spec(spec), ([], list(data)[:4], len(users), len(data)))[0].append(user)
             for domain, u in list(data.items())[:4]:
                 ids = u.test[:tokens].long() if u.task == "lm" else u.test.sample(1, torch.Generator().manual_seed(0))[0][0, :tokens]
                 set_record_stats(model, True)
@@ -50,17 +54,21 @@ def routing_section(page: Page, runs: dict[str, dict[int, Path]], texts_per_user
                 lines_h, lines_m = [], []
                 for li in picked:
                     top1 = stats[li]["top1"].reshape(-1).tolist()
-                    spans = "".join(f'<span style="background:{COLORS[e % len(COLORS)]}55" title="expert {e}">'
+                    spans = "".join(f'<span style="background:{COLORS[e % len(COLORS)]}88" title="expert {e}">'
                                     f"{html.escape(p)}</span>" for p, e in zip(pieces, top1))
                     lines_h.append(f"<div class='tok'><small>layer {li}:</small> {spans}</div>")
                     lines_m.append(f"layer {li}: " + " ".join(f"{p.strip() or '_'}[{e}]" for p, e in zip(pieces, top1)))
-                label = f"{spec}, user {user}'s model on {domain}'s text"
+                label = f"{short_spec(spec)}, user {user}'s model on {domain}'s text"
                 blocks.append((f"<div class='panel'><b>{html.escape(label)}</b>{''.join(lines_h)}</div>",
                                f"**{label}**\n\n" + "\n\n".join(lines_m)))
     if blocks:
-        legend = " ".join(f'<span style="background:{c}55;padding:0 4px">expert {i}</span>' for i, c in enumerate(COLORS[:n_experts]))
+        legend = " ".join(f'<span style="background:{c}88;padding:0 4px">expert {i}</span>' for i, c in enumerate(COLORS[:n_experts]))
         page.md("## Token routing\n\nEach token of a test text, coloured by the expert its router ranks first "
-                "(CoMiGS Fig. 3, 14-19); one panel per (user model, text domain) at the first, middle and last layer.")
+                "(CoMiGS Fig. 3, 14-19); one panel per (user model, text domain) at the first, middle and last layer."
+                + (f" Each method's first seed, {min(seeds)} of {sorted(seeds)}." if len(seeds) > 1 else "")
+                + "".join(f" {m}: the models of {', '.join(u)}" + (f" (4 of its {nu} users)" if nu > len(u) else "")
+                          + f" on the texts of {', '.join(t)}" + (f" (4 of {nt})" if nt > len(t) else "") + "."
+                          for m, (u, t, nu, nt) in shown.items()))
         page.raw(f"<p>{legend}</p>", "Markdown: each token is followed by [its top-1 expert].")
         page.raw("<div class='panels'>" + "".join(h for h, _ in blocks) + "</div>", "\n\n".join(m for _, m in blocks))
 

@@ -43,7 +43,7 @@ def server_section(page: Page, runs: dict[str, dict[int, Path]]) -> None:
             ax.set_xlabel("KD step")
             ax.set_ylabel("loss")
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            ax.legend(fontsize=6, ncol=3)
+            ax.legend(fontsize=7, ncol=3)  # 6 pt did not read at the page's width
             fig.tight_layout()
             page.md(f"## {spec}: distillation")
             page.fig(fig, f"kd-{_slug(spec)}.png", f"{spec}: CE (solid), FM (dashed) and KL (dotted) per KD step, "
@@ -85,7 +85,7 @@ def server_section(page: Page, runs: dict[str, dict[int, Path]]) -> None:
                 for i, row in enumerate(grid):
                     for j, v in enumerate(row):
                         top = max(max(r) for r in grid)  # dark cells (low load) get white text
-                        ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=6, color="w" if v < 0.5 * top else "k")
+                        ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7, color="w" if v < 0.5 * top else "k")
                 fig.colorbar(im, ax=ax, fraction=0.05).set_label("share of top-k routing slots", fontsize=7)
                 fig.tight_layout()
                 page.fig(fig, f"expert-load-{_slug(spec)}.png", f"{spec}: the global MoE's expert load per test "
