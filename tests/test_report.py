@@ -226,7 +226,7 @@ def test_the_gates_of_many_clients_are_drawn_four_to_a_row_and_the_caption_names
 
 
 def test_text_too_small_at_the_page_s_width_and_legends_over_data_are_found():
-    """What the review found at 1280 px: a 12.8-inch figure with 6-pt labels (shown at 1100 px,
+    """What pages looked at in Chromium at 1280 px showed: a 12.8-inch figure with 6-pt labels (shown at 1100 px,
     they read as 6.6 px) and a legend inside the axes over the last devices' bars."""
     from comix.reporting.page import legend_covers, plt_, small_text
     plt = plt_()

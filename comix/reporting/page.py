@@ -116,8 +116,8 @@ class Style:
         return {"color": self.color, "hatch": self.hatch, "hatchcolor": "white", "linewidth": 0}
 
 
-# One colour per method across every figure and page (the review's standard): the methods of the
-# papers' grids keep a fixed colour whatever else a page shows; another method takes the first
+# One colour per method across every figure and page (a reader follows a method from page to page
+# by its colour): the methods of the papers' grids keep a fixed colour whatever else a page shows; another method takes the first
 # colour none on its page holds; a method's variants share its colour, told apart by line and hatch.
 FIXED = ("comigs-1g1s", "fedavg", "local", "centralized", "pcl", "pfedmoe", "fdlora-comigs", "comigs-2s", "comigs-2g",
          "fedamole", "hetlora", "flexlora")
