@@ -7,7 +7,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from .page import REFERENCE, Page, plt_, round_axis
+from .page import REFERENCE, Page, natural, plt_, round_axis
 from .records import jsonl, results_of
 
 Curves = dict  # {spec: {seed: {user: {round: value}}}}
@@ -131,12 +131,6 @@ def curves_section(page: Page, runs: dict[str, dict[int, Path]]) -> None:
         fig.tight_layout()
         page.md("## Training loss")
         page.fig(fig, "train-loss.png", "mean training loss of the round's local steps, mean over users and seeds" + spread)
-
-
-def natural(name: str):
-    """client2 before client10: clients in the tables' order."""
-    import re
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
 def _per_user_figure(page: Page, data: Curves, users, rounds, label, refs=None):

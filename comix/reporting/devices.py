@@ -4,14 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .page import Page, plt_
+from .page import Page, natural, plt_
 from .records import jsonl
-
-
-def _natural(name: str):
-    """client2 before client10."""
-    import re
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
 def devices_section(page: Page, runs: dict[str, dict[int, Path]]) -> None:
@@ -19,7 +13,7 @@ def devices_section(page: Page, runs: dict[str, dict[int, Path]]) -> None:
     per = {}  # spec -> {user: (max memory MB, MB up, tokens, dropped rounds, base precision and slices)}
     for spec, by in runs.items():
         rows = [r for r in jsonl(by[min(by)] / "metrics.jsonl") if "memory_mb" in r or r.get("dropped")]
-        users = sorted(dict.fromkeys(r["user"] for r in rows), key=_natural)  # client order, as the other tables
+        users = sorted(dict.fromkeys(r["user"] for r in rows), key=natural)  # client order, as the other tables
         if any("memory_mb" in r for r in rows):
             per[spec] = {u: (max((r["memory_mb"] for r in rows if r["user"] == u and "memory_mb" in r), default=0.0),
                              sum(r.get("bytes_up", 0) for r in rows if r["user"] == u) / 2**20,
@@ -42,7 +36,7 @@ def devices_section(page: Page, runs: dict[str, dict[int, Path]]) -> None:
     many = len({u for by_user in per.values() for u in by_user}) > 12
     fig, axes = plt.subplots(2 if many else 1, 1 if many else 2, figsize=(10, 6.8 if many else 3.9), layout="constrained")
     width = 0.8 / len(per)
-    users = sorted({u for by_user in per.values() for u in by_user}, key=_natural)  # a bar at its device's name
+    users = sorted({u for by_user in per.values() for u in by_user}, key=natural)  # a bar at its device's name
     for i, (spec, by_user) in enumerate(per.items()):
         xs = [users.index(u) + i * width for u in by_user]
         style = page.style(spec).bar()

@@ -23,6 +23,11 @@ STYLE = ("body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto
          "pre{background:#f7f7f7;padding:.5em;overflow:auto}figure{margin:1em 0}")  # a figure gets the page's 1100 px
 
 
+def natural(name: str):
+    """client2 before client10: clients in the tables' order."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
 def plt_():
     import matplotlib
     matplotlib.use("Agg")

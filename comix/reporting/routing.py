@@ -5,7 +5,7 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
-from .page import EXPERT_COLORS as COLORS, Page  # experts: their own palette
+from .page import EXPERT_COLORS as COLORS, Page, natural  # experts: their own palette
 from .records import jsonl
 
 
@@ -19,7 +19,6 @@ def routing_section(page: Page, runs: dict[str, dict[int, Path]], texts_per_user
     from ..models import mixtures, routing_stats, set_record_stats
     from ..personal import ExportError, rebuild, run_config
     from ..comparison import short_spec
-    from .curves import natural
     blocks, n_experts, shown = [], 1, {}
     seeds = {s for by in runs.values() for s in by}
     for spec, by in runs.items():

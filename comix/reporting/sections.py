@@ -5,8 +5,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from .curves import natural
-from .page import EXPERT_COLORS, Page, plt_, round_axis
+from .page import EXPERT_COLORS, Page, natural, plt_, round_axis
 from .records import jsonl, results_of, scoring_rule
 
 
