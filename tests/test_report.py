@@ -248,6 +248,59 @@ def test_text_too_small_at_the_page_s_width_and_legends_over_data_are_found():
     plt.close("all")
 
 
+def test_bars_too_thin_to_see_are_found():
+    """40 devices x 7 methods drew bars 2 px wide on the DP page: their colours could not be told."""
+    from comix.reporting.page import plt_, thin_bars
+    plt = plt_()
+    fig, ax = plt.subplots(figsize=(10, 3))
+    ax.bar([j + i * 0.8 / 7 for j in range(40) for i in range(7)], 1.0, 0.8 / 7)
+    ax.set_ylabel("memory")
+    assert len(thin_bars(fig)) == 1 and thin_bars(fig)[0].startswith("memory: ")
+    fig, ax = plt.subplots(figsize=(10, 3))
+    ax.bar(range(40), 1.0, 0.8)  # one method: 18 px a bar
+    assert thin_bars(fig) == []
+    plt.close("all")
+
+
+def test_many_devices_under_several_methods_are_points_per_method_in_client_order(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    from comix.reporting import Page
+    from comix.reporting.devices import devices_section
+    kept = []
+    monkeypatch.setattr(plt, "close", lambda fig=None: kept.append(fig))
+    runs = {}
+    for k, spec in enumerate(["fedavg", "local", "fedavg:privacy.clip=0.3,privacy.noise_multiplier=1"]):
+        rows = [{"round": 1, "user": f"client{i}", "memory_mb": 100.0 + i + k, "bytes_up": 2**20, "tokens": 10}
+                for i in range(40)]
+        runs[spec] = {1: _metrics(tmp_path / spec.replace(":", "_"), rows)}
+    page = Page("t", runs)
+    devices_section(page, runs)
+    assert page.unreadable == {} and page.overlaps == {}  # the 2-px bars of a bar per device and method
+    memory = kept[0].axes[0]
+    from matplotlib.collections import PathCollection
+    points = [c for c in memory.collections if isinstance(c, PathCollection)]
+    assert not memory.patches and len(points) == 3  # a column of points per method, no bars
+    ys = points[0].get_offsets()[:, 1]
+    assert list(ys) == [100.0 + i for i in range(40)]  # client2 before client10: the tables' order
+    md, _ = page.markdown("f")
+    assert "Each of the 40 devices'" in md and "| fedavg | client10 |" in md
+
+
+def test_per_user_bars_without_the_untrained_base_say_why_it_is_missing(tmp_path):
+    from comix.reporting import Page
+    from comix.reporting.curves import curves_section
+    runs = {}
+    for spec, base in (("fedavg", 30.0), ("local", 32.0)):
+        rows = [{"round": 3, "user": u, "test_ppl": base + i} for i, u in enumerate(["de", "fr"])]
+        runs[spec] = {1: _metrics(tmp_path / spec, rows)}
+        (runs[spec][1] / "results.json").write_text(json.dumps({"method": spec, "rounds": 3, "mean": base, "per_user": {}}))
+    page = Page("t", runs)
+    curves_section(page, runs)
+    caption = next(b[3] for b in page.blocks if b[0] == "fig" and b[1] == "curves-per-user.png")
+    assert "no Pretrained reference" in caption and "`pretrained`" in caption
+
+
 def test_a_method_has_one_colour_whatever_else_the_page_shows():
     """The same colour for a method on every page (comigs-1g1s was blue on one page and orange on
     another, pfedmoe the grey of the Pretrained reference); its variants share it, drawn dashed and

@@ -71,6 +71,10 @@ def _sample_note(data: Curves) -> str:
             "(`train.eval_clients`, a new sample each round, named in metrics.jsonl), the others all of them")
 
 
+# per-user bars are read against the untrained base: a page without it says why it is missing
+NO_REFERENCE = "; no Pretrained reference: this run's methods did not include `pretrained` (add it to `methods` to draw it)"
+
+
 def curves_section(page: Page, runs: dict[str, dict[int, Path]]) -> None:
     """The task metric per evaluated round (lines), or, when only one round was evaluated (the
     main job scores the last), a bar per method, per user; then the training loss per round."""
@@ -120,7 +124,7 @@ def curves_section(page: Page, runs: dict[str, dict[int, Path]]) -> None:
                              for spec, by in results.items() if spec in refs}
             page.fig(_per_user_figure(page, data, users, rounds, label, per_user_refs), "curves-per-user.png",
                      "the same, one panel per user" + (", the grey dashed line " + " / ".join(map(short_spec, refs))
-                                                       if refs else "") + spread.replace("band", "bands"))
+                                                       if refs else NO_REFERENCE) + spread.replace("band", "bands"))
     loss = records(runs, lambda r: r.get("train_loss"))
     if loss:
         fig, ax = plt.subplots(figsize=(10, 3.4))

@@ -66,6 +66,12 @@ def round_axis(ax, rounds) -> None:
 
 
 PAGE_PX, DPI, MIN_TEXT_PX = 1100, 100, 9.5  # the page's width; a figure's text at least 7 pt at 100 dpi, unscaled
+MIN_BAR_PX = 4.0  # a bar narrower than this on the page is a line whose colour cannot be told (40 devices x 7 methods drew 2 px)
+
+
+def _page_scale(fig) -> float:
+    """How much the page shrinks the figure: one wider than PAGE_PX is scaled down to it."""
+    return min(1.0, PAGE_PX / (fig.get_figwidth() * DPI))
 
 
 def small_text(fig) -> list[str]:
@@ -74,9 +80,24 @@ def small_text(fig) -> list[str]:
     from matplotlib.text import Text
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
-    scale = min(1.0, PAGE_PX / (fig.get_figwidth() * DPI))
+    scale = _page_scale(fig)
     return sorted({t.get_text() for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip()
                    and t.get_window_extent(renderer).overlaps(fig.bbox) and t.get_fontsize() * DPI / 72 * scale < MIN_TEXT_PX})
+
+
+def thin_bars(fig) -> list[str]:
+    """Axes whose narrowest bar is under MIN_BAR_PX wide once the page shows the figure, named by
+    their y label (or title) with that width."""
+    from matplotlib.patches import Rectangle
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    out = []
+    for ax in fig.axes:
+        widths = [p.get_window_extent(renderer).width * _page_scale(fig) for p in ax.patches
+                  if isinstance(p, Rectangle) and p.get_visible()]
+        if widths and min(widths) < MIN_BAR_PX:
+            out.append(f"{ax.get_ylabel() or ax.get_title()}: {min(widths):.1f} px")
+    return out
 
 
 def legend_covers(fig) -> list[str]:
@@ -153,7 +174,7 @@ def method_styles(specs) -> dict[str, Style]:
 class Page:
     """Sections of markdown text and figures, rendered to HTML and markdown alike. Every figure is
     checked as it is added for overlapping tick labels (``overlaps``), text too small at the page's
-    width and legends over data (``unreadable``): what tests assert empty. ``styles``: each
+    width, bars too thin to see and legends over data (``unreadable``): what tests assert empty. ``styles``: each
     method's colour, the same in every figure of the page."""
 
     def __init__(self, title: str, specs=()):
@@ -176,7 +197,8 @@ class Page:
         if clash:
             self.overlaps[name] = clash
         bad = [f"text under {MIN_TEXT_PX} px: {t!r}" for t in small_text(fig)] + \
-              [f"legend over data: {t}" for t in legend_covers(fig)]
+              [f"legend over data: {t}" for t in legend_covers(fig)] + \
+              [f"bars under {MIN_BAR_PX} px wide: {t}" for t in thin_bars(fig)]
         if bad:
             self.unreadable[name] = bad
         buf = io.BytesIO()
