@@ -95,7 +95,8 @@ def test_a_run_whose_base_does_not_fit_a_device_is_refused_naming_the_precision_
     model, tok = load_base_model("tiny-llama")
     need = training_memory(model, build_algorithm(cfg, "fedavg", 4), make_user_data(load_corpus(cfg.corpus), tok,
                                                                                     cfg.data)[0])
-    assert need["none", 1] > need["int8", 1] > need["nf4", 1] > 0
+    # (on a model this small NF4's per-block statistics outweigh its halved codes: int8 stores less)
+    assert need["none", 1] > max(need["int8", 1], need["nf4", 1]) > 0
     budget = (need["none", 1] + need["nf4", 1]) / 2  # fits quantised, not in full precision
     fleet = _fleet_file(tmp_path, f"profiles:\n  - {{name: small, share: 1.0, memory_mb: {budget}, tokens_per_s: 1}}\n")
     assert main(["run", *COMMON, f"fleet={fleet}", f"run_dir={tmp_path / 'run'}"]) == 2
@@ -178,6 +179,29 @@ def test_quant_auto_gives_each_device_its_own_base_and_each_trains_as_alone_at_t
     assert ppl == pytest.approx({"de": int8[1]["de"], "fr": int8[1]["fr"], "it": none[1]["it"], "nl": none[1]["nl"]},
                                 rel=1e-6)
     assert int8[1]["de"] != pytest.approx(none[1]["de"], rel=1e-6)  # the precisions do score differently
+
+
+def test_the_plan_counts_what_a_device_reports_at_each_precision(tmp_path):
+    """The planner's need at a precision is the training memory a device at that precision then
+    reports: its step measured on the quantised base (whose dequantisation adds transients; a
+    plan from the full-precision step put SmolLM2's 1 GB phones 22 MB over), the base's bytes as
+    stored (NF4's statistics counted)."""
+    from comix.config import load_config
+    from comix.data import load_corpus, make_user_data
+    from comix.engines.device import training_memory
+    from comix.models import load_base_model
+    from comix.runtime import resolve
+    from comix.specs import build_algorithm
+    common = [*COMMON, "methods=[comigs-1g1s]", "train.rounds=1", "train.local_steps=1"]
+    cfg = load_config(None, common)
+    model = resolve(cfg.device, cfg.precision).prepare_base(load_base_model("tiny-llama")[0])
+    need = training_memory(model, build_algorithm(cfg, "comigs-1g1s", 4),
+                           make_user_data(load_corpus(cfg.corpus), load_base_model("tiny-llama")[1], cfg.data)[0])
+    for q in ("none", "int8", "q4", "nf4"):
+        assert main(["run", *common, f"quant={q}", f"run_dir={tmp_path / q}"]) == 0
+        rows = [json.loads(x) for x in (tmp_path / q / "comigs-1g1s" / "metrics.jsonl").read_text().splitlines()]
+        reported = [r["memory_mb"] for r in rows if r.get("user") == "de" and "memory_mb" in r]
+        assert reported and need[q, 1] == pytest.approx(reported[0], abs=2e-3), q
 
 
 def test_quant_auto_needs_a_fleet_and_a_list_one_precision_per_client(tmp_path, capsys):

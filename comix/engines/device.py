@@ -183,43 +183,51 @@ def planned_base_bytes(base: nn.Module) -> dict[str, float]:
 
 
 def training_memory(base: nn.Module, algorithm: Algorithm, user: UserData, client: int = 0,
-                    measured: dict | None = None, micro_batches: tuple[int, ...] = (1,)) -> dict[tuple[str, int], float]:
+                    measured: dict | None = None, micro_batches: tuple[int, ...] = (1,),
+                    precisions: tuple[str, ...] | None = None) -> dict[tuple[str, int], float]:
     """MB client ``client`` of ``algorithm`` needs to train on ``user``'s data, with the
-    unquantised ``base`` (on the run's device, in its dtype) at each precision and each batch in
-    each number of ``micro_batches`` slices: {(precision, slices): MB}. The base's bytes (its
-    block linears at 4 bytes, 1 byte + a scale per row, or half a byte + a scale per block of 64:
-    bitsandbytes' int8 and NF4 storage), the trainable state (parameters, gradients, AdamW's
-    moments, fp32; with slices one more gradient, the sum the slices accumulate into), the peak
-    of one measured training step (``Footprint``: its first batch, or that batch's first slice) and
-    the process's runtime (``note_runtime``). ``measured`` memoises by adapter architecture and
+    unquantised ``base`` (on the run's device, in its dtype) at each precision (``precisions``, or
+    every one the base has) and each batch in each number of ``micro_batches`` slices:
+    {(precision, slices): MB}. Measured on a copy of the base quantised as the device would hold
+    it: the base's bytes (``base_bytes``, what a round reports), the trainable state (parameters,
+    gradients, AdamW's moments, fp32; with slices one more gradient, the sum the slices accumulate
+    into), the peak of one training step (``Footprint``: its first batch, or that batch's first
+    slice), and the process's runtime (``note_runtime``). ``measured`` memoises by adapter architecture and
     batch shape: clients alike are measured once."""
     import copy
 
     from ..models import inject_adapters
+    from ..models.quant import quantize_base
     cfg = algorithm.adapter_config(client)
     gen = torch.Generator().manual_seed(0)
     x, y = algorithm.train_batch(ClientContext(client, None, user, algorithm.train), gen)
-    key = (repr(cfg), tuple(x.shape), tuple(micro_batches))
+    precisions = tuple(q for q in planned_base_bytes(base) if precisions is None or q in precisions)
+    key = (repr(cfg), tuple(x.shape), tuple(micro_batches), precisions)
     if measured is not None and key in measured:
         return measured[key]
     # measured where and as the run holds its base (a run's base is on its device, in its dtype
     # before the fleet is planned): the adapters follow it, and the step runs under the autocast
     # the run trains with (comix/runtime.py), else a bf16 base meets fp32 adapters
     weight = next(p for p in base.parameters() if p.is_floating_point())
-    model = inject_adapters(copy.deepcopy(base), cfg).to(weight.device).train()
-    fresh_adapters(model, 0)
     autocast = torch.autocast(weight.device.type, dtype=weight.dtype, enabled=weight.dtype != torch.float32)
-    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    stored = planned_base_bytes(base)
     runtime = note_runtime()
     from ..algorithms.training import lm_loss
     need = {}
-    for m in micro_batches:
-        with Footprint(model) as footprint, autocast:
-            lm_loss(model, x.chunk(m)[0], y.chunk(m)[0]).backward()
-        model.zero_grad(set_to_none=True)
-        trainable = params * (16 if m == 1 else 20)
-        need.update({(q, m): runtime + (b + trainable + footprint.peak) / 2**20 for q, b in stored.items()})
+    for q in precisions:
+        # each precision's step on its own quantised base: dequantising a block's weights adds
+        # transients the full-precision step has not (CoMiGS-1G1S on SmolLM2-135M, 1 x 128 tokens:
+        # +22.5 MB on the int8 and q4 bases, where planning on the fp32 step put a 1 GB phone 22 MB over)
+        model = inject_adapters(quantize_base(copy.deepcopy(base), q, weight.dtype, weight.device), cfg)
+        model = model.to(weight.device).train()
+        fresh_adapters(model, 0)
+        params, stored = sum(p.numel() for p in model.parameters() if p.requires_grad), base_bytes(model)
+        for m in micro_batches:
+            with Footprint(model) as footprint, autocast:
+                lm_loss(model, x.chunk(m)[0], y.chunk(m)[0]).backward()
+            model.zero_grad(set_to_none=True)
+            trainable = params * (16 if m == 1 else 20)
+            need[q, m] = runtime + (stored + trainable + footprint.peak) / 2**20
+        del model
     if measured is not None:
         measured[key] = need
     return need

@@ -107,7 +107,8 @@ def cohort_size(algorithm: Algorithm, base: nn.Module, users: list[UserData], ru
     from .device import planned_base_bytes, training_memory
     quant = runtime.quant_of(0)
     firsts = {repr(algorithm.adapter_config(c)): c for c in reversed(range(len(users)))}  # one client an architecture
-    need = max(training_memory(base, algorithm, users[c], c, micro_batches=(1,))[(quant, 1)] for c in firsts.values())
+    need = max(training_memory(base, algorithm, users[c], c, micro_batches=(1,), precisions=(quant,))[(quant, 1)]
+               for c in firsts.values())
     # MB beyond the base and the process's runtime (both held once, whatever the cohort), the largest client
     per_client = max(1.0, need - note_runtime() - planned_base_bytes(base)[quant] / 2**20)
     if runtime.device.type == "cuda":
