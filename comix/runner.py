@@ -95,7 +95,7 @@ def micro_batch_options(cfg, spec: str) -> tuple[int, ...]:
 def fleet_plan(cfg, spec: str, model, users) -> tuple[str | tuple[str, ...], int | tuple[int, ...]]:
     """Each device's base precision and micro-batches for ``spec`` (comix/fleet.py ``plan``), from
     the memory one measured training step of each client's model needs on the full-precision
-    ``model``: every device fits, or one line names the one that does not."""
+    ``model`` quantised to each precision: every device fits, or one line names the one that does not."""
     from .engines.device import training_memory
     from .fleet import load_fleet, plan
     algo = build_algorithm(cfg, spec, len(users))
