@@ -26,7 +26,7 @@ def main(model_name: str, batch: int, seq: int) -> None:
     base, tok = load_base_model(model_name)
     algorithm = build_algorithm(cfg, "fedavg", 1)
     user = make_user_data(load_corpus(cfg.corpus), tok, cfg.data)[0]
-    need = training_memory(base, algorithm, user)["none", 1]  # the planner's count (a copy of the base)
+    need = training_memory(base, algorithm, user, precisions=("none",))["none", 1]  # the planner's count (a copy of the base)
     model = inject_adapters(base, algorithm.adapter_config(0)).train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4)
