@@ -90,10 +90,10 @@ def thin_bars(fig) -> list[str]:
     their y label (or title) with that width."""
     from matplotlib.patches import Rectangle
     fig.canvas.draw()
-    renderer = fig.canvas.get_renderer()
+    renderer, scale = fig.canvas.get_renderer(), _page_scale(fig)
     out = []
     for ax in fig.axes:
-        widths = [p.get_window_extent(renderer).width * _page_scale(fig) for p in ax.patches
+        widths = [p.get_window_extent(renderer).width * scale for p in ax.patches
                   if isinstance(p, Rectangle) and p.get_visible()]
         if widths and min(widths) < MIN_BAR_PX:
             out.append(f"{ax.get_ylabel() or ax.get_title()}: {min(widths):.1f} px")
