@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from comix.algorithms.cohort import CohortAdamW, cohort_step
+from comix.algorithms.cohort import CohortAdamW, CohortMasters, CohortStep
 from comix.algorithms.training import TrainConfig, train_step
 from comix.engines.device import fresh_adapters
 from comix.engines.footprint import Footprint
@@ -81,8 +81,11 @@ def gemm_peak(runtime, n: int) -> float:
     return 2 * n ** 3 / statistics.median(times)
 
 
-def make_step(base, cfg: AdapterConfig, clients: int, rows: int, seq: int, runtime, train: TrainConfig):
-    """A closure running one training step of ``clients`` clients (each ``rows`` x ``seq`` tokens)."""
+def make_step(base, cfg: AdapterConfig, clients: int, rows: int, seq: int, runtime, train: TrainConfig,
+              capture: bool = False):
+    """A closure running one training step of ``clients`` clients (each ``rows`` x ``seq`` tokens);
+    a cohort's step is the engine's (``CohortStep``: fp32 masters under compute-dtype copies, and
+    with ``capture`` one CUDA graph)."""
     model = inject_adapters(_shared_copy(base), cfg).to(runtime.device)
     fresh_adapters(model, 0)
     for n, p in model.named_parameters():  # B = 0 at init: give every factor a gradient
@@ -99,8 +102,9 @@ def make_step(base, cfg: AdapterConfig, clients: int, rows: int, seq: int, runti
     else:
         model = stack_clients(model, clients)
         params = [p for p in model.parameters() if p.requires_grad]
-        opt = CohortAdamW(params, train)
-        step = lambda: cohort_step(model, x, y, params, opt, [train.lr] * clients, train)  # noqa: E731
+        masters = CohortMasters(params, runtime.dtype)
+        cohort_step = CohortStep(model, params, CohortAdamW(params, train, master=masters.of(params)), train, capture)
+        step = lambda: cohort_step(x, y, [train.lr] * clients)  # noqa: E731
     model.train()
 
     def run():
@@ -137,10 +141,12 @@ def main(argv=None) -> int:
     nominal = next((v.get(args.precision) for k, v in NOMINAL.items() if k in name), None) \
         if runtime.device.type == "cuda" else None
     configs, results = {}, {}
+    # on CUDA each cohort twice: its step captured as one CUDA graph (the engine's default there) and eager
+    variants = [(c, capture) for c in args.cohorts for capture in ((True, False) if runtime.graphs and c > 1 else (False,))]
     for kind in args.adapters:
-        for c in args.cohorts:
-            key = f"{kind}, cohort {c}"
-            model, run = make_step(base, ADAPTERS[kind], c, args.rows, args.seq, runtime, train)
+        for c, capture in variants:
+            key = f"{kind}, cohort {c}" + (", eager" if runtime.graphs and c > 1 and not capture else "")
+            model, run = make_step(base, ADAPTERS[kind], c, args.rows, args.seq, runtime, train, capture)
             if runtime.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(runtime.device)
             with Footprint(model) as fp:
@@ -150,8 +156,9 @@ def main(argv=None) -> int:
             with FlopCounterMode(display=False) as counter:
                 run()
             run()  # warm-up 2
+            run()  # warm-up 3: a captured step's capture (CohortStep.WARMUP eager steps first)
             configs[key] = run
-            results[key] = {"adapters": kind, "cohort": c, "tokens": c * args.rows * args.seq,
+            results[key] = {"adapters": kind, "cohort": c, "graph": capture, "tokens": c * args.rows * args.seq,
                             "flops": counter.get_total_flops(), "step_peak_mb": round(fp.peak / 2**20, 1),
                             **({"peak_mem_mb": round(mem, 1)} if mem is not None else {})}
             print(f"built {key}: {results[key]['flops'] / 1e9:.1f} GFLOP a step", flush=True)
@@ -173,9 +180,9 @@ def main(argv=None) -> int:
         if one:
             r["speedup_tokens_per_s"] = round(r["tokens_per_s"] / (one["tokens"] / statistics.median(
                 times[f"{r['adapters']}, cohort 1"])), 3)
-        lora = results.get(f"LoRA, cohort {r['cohort']}")
-        if lora and r["adapters"] != "LoRA":
-            r["step_over_lora"] = round(statistics.median(m / b for m, b in zip(times[k], times[f"LoRA, cohort {r['cohort']}"])), 3)
+        twin = k.replace(r["adapters"], "LoRA", 1)  # the plain LoRA's step of the same cohort, graph or eager
+        if twin in results and r["adapters"] != "LoRA":
+            r["step_over_lora"] = round(statistics.median(m / b for m, b in zip(times[k], times[twin])), 3)
         print(f"{k:24s} {s * 1e3:9.1f} ms  {r['tokens_per_s']:10.1f} tok/s  MFU {r['mfu_gemm']:.1%} of the GEMM rate"
               + (f", {r['mfu_nominal']:.1%} of nominal" if nominal else ""), flush=True)
     out = {"command": " ".join(["python bench/cohort.py", *(argv if argv is not None else sys.argv[1:])]),

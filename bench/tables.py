@@ -625,7 +625,8 @@ def cohort_table(text: str) -> str:
             "peak GPU memory (MB)" if cuda else "step peak (MB)" if "step_peak_mb" in r["results"][0] else "activations kept (MB)"]
     rows = []
     for x in r["results"]:
-        rows.append([x["adapters"], str(x["cohort"]), f"{x['step_s'] * 1e3:.1f}", f"{x['tokens_per_s']:,.0f}",
+        step = " (CUDA graph)" if x.get("graph") else " (eager)" if cuda and x["cohort"] > 1 and "graph" in x else ""
+        rows.append([x["adapters"], f"{x['cohort']}{step}", f"{x['step_s'] * 1e3:.1f}", f"{x['tokens_per_s']:,.0f}",
                      f"{x.get('speedup_tokens_per_s', 1.0):.2f}", f"{x['flops'] / 1e9:,.0f}", f"{x['mfu_gemm']:.1%}",
                      *([f"{x['mfu_nominal']:.1%}"] if nominal else []),
                      f"{x['step_over_lora']:.2f}" if "step_over_lora" in x else "",

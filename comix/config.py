@@ -86,6 +86,7 @@ class RunConfig:
     micro_batches: int | str | list[int] = 1
     fleet: str = ""                    # a fleet file or a built-in fleet: device budgets, throughput, availability, deadline (comix/fleet.py)
     compile: bool | None = None        # torch.compile the mixtures' slot work; None (= auto): on CUDA only
+    graphs: bool | None = None         # a cohort's training step captured as one CUDA graph; None (= auto): on CUDA
     gpus_per_client: float = 0.0       # Flower simulation: GPU share of each virtual device (num_gpus)
     offload: bool = False              # keep idle clients' states on disk
     keep_checkpoints: bool = False     # keep checkpoint.pt and client states after a method finishes
@@ -180,6 +181,12 @@ class RunConfig:
             self.compile = None
         if self.compile not in (None, True, False):
             raise ConfigError(f"compile must be auto, true or false, got {self.compile!r}")
+        if self.graphs == "auto":
+            self.graphs = None
+        if self.graphs not in (None, True, False):
+            raise ConfigError(f"graphs must be auto, true or false, got {self.graphs!r}")
+        if self.graphs and self.device == "cpu":
+            raise ConfigError("graphs=true captures CUDA graphs: it needs device=cuda (or auto on a machine with CUDA)")
         if not 0.0 <= self.gpus_per_client <= 1.0:
             raise ConfigError(f"gpus_per_client must be in [0, 1], got {self.gpus_per_client}")
         if not 0.0 <= self.dropout < 1.0:

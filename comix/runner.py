@@ -26,7 +26,8 @@ def load_inputs(cfg: RunConfig):
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    resolve(cfg.device, cfg.precision, cfg.compile, "none" if cfg.quant == "auto" else cfg.quant)  # one line if bad
+    resolve(cfg.device, cfg.precision, cfg.compile, "none" if cfg.quant == "auto" else cfg.quant,
+            graphs=cfg.graphs)  # one line if bad
     check_model_spec(cfg.model)
     corpus = load_corpus(cfg.corpus)
     shape = model_config(cfg.model)  # sizes only, no weights
@@ -79,7 +80,8 @@ def load_inputs(cfg: RunConfig):
     # the shared base: at the run's precision, or in full precision when devices differ (quant=auto
     # or one per client: each client's model quantises a copy, engines/inprocess.py ClientModels)
     # or build their own models from it (device_spec: DeepFusion's devices quantise their own)
-    runtime = resolve(cfg.device, cfg.precision, cfg.compile, "none" if full_precision_base else cfg.quant)
+    runtime = resolve(cfg.device, cfg.precision, cfg.compile, "none" if full_precision_base else cfg.quant,
+                      graphs=cfg.graphs)
     return on_device(model, runtime), tok, users, token_table(users), server_data
 
 
@@ -203,7 +205,7 @@ def run_spec(cfg, spec: str, seed: int, out: Path, model, users, console, server
         try:
             res = run_method(algo, model, users, out, seed=seed, resume=True, offload=mcfg.offload,
                              progress=progress, keep_checkpoints=mcfg.keep_checkpoints,
-                             runtime=resolve(cfg.device, cfg.precision, cfg.compile, quant, micro),
+                             runtime=resolve(cfg.device, cfg.precision, cfg.compile, quant, micro, cfg.graphs),
                              server_data=server_data)
         finally:
             listen(None)

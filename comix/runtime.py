@@ -11,6 +11,9 @@
   (``models/mixture.py``: one fused kernel per pass instead of six); ``auto`` = on CUDA only,
   because on the CPU each new process and shape first pays some seconds of compilation (worth
   it for long runs: ``compile=true``; docs/benchmarks.md "Speed of the mixture").
+* ``graphs``: capture a cohort's training step (forward, backward, clip, AdamW) as one CUDA graph
+  and replay it (algorithms/cohort.py ``CohortStep``); ``auto`` = on CUDA. The CPU runs the
+  same step eagerly.
 Client states, uploads and payloads always live on the CPU between turns: device memory holds
 the shared frozen base and the one client that is training.
 """
@@ -63,6 +66,7 @@ class Runtime:
     # slices a training batch is computed in (gradient accumulation, one step per batch), or one
     # per client (a fleet's plan: a device whose one-step activations exceed its memory budget)
     micro_batches: int | tuple[int, ...] = 1
+    graphs: bool = False  # a cohort's step captured as a CUDA graph (CohortStep)
 
     def quant_of(self, client: int) -> str:
         """The precision of client ``client``'s frozen base."""
@@ -101,7 +105,7 @@ class Runtime:
 
 def resolve(device: str = "auto", precision: str = "fp32", compile: bool | None = None,
             quant: str | list[str] | tuple[str, ...] = "none",
-            micro_batches: int | list[int] | tuple[int, ...] = 1) -> Runtime:
+            micro_batches: int | list[int] | tuple[int, ...] = 1, graphs: bool | None = None) -> Runtime:
     """A Runtime from the config's strings, with a one-line error naming the bad value."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
@@ -118,6 +122,8 @@ def resolve(device: str = "auto", precision: str = "fp32", compile: bool | None 
             raise ValueError(f"device {device!r}: no CUDA device is available here (use device=cpu or auto)")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+    if graphs and dev.type != "cuda":
+        raise ValueError(f"graphs=true captures CUDA graphs: it needs a CUDA device, not {device!r}")
     if precision == "fp16" and dev.type != "cuda":
         raise ValueError("precision fp16 needs a CUDA device (on the CPU use bf16 or fp32)")
     for q in [quant] if isinstance(quant, str) else quant:
@@ -128,7 +134,9 @@ def resolve(device: str = "auto", precision: str = "fp32", compile: bool | None 
         if not isinstance(m, int) or isinstance(m, bool) or m < 1:
             raise ValueError(f"micro_batches must be a whole number >= 1 (or one per client), got {m!r}")
     micro_batches = micro_batches if isinstance(micro_batches, int) else tuple(micro_batches)
-    return Runtime(dev, precision, dev.type == "cuda" if compile is None else bool(compile), quant, micro_batches)
+    on_cuda = dev.type == "cuda"
+    return Runtime(dev, precision, on_cuda if compile is None else bool(compile), quant, micro_batches,
+                   on_cuda if graphs is None else bool(graphs))
 
 
 def to_cpu(obj):

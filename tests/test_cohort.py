@@ -348,3 +348,120 @@ def test_a_mixture_that_has_just_trained_a_client_alone_can_be_stacked():
     single(input_ids=torch.randint(0, 200, (2, 8)))
     stacked = stack_clients(single, 2)
     assert stacked(input_ids=torch.randint(0, 200, (4, 8))).logits.shape[0] == 4
+
+
+# -- the step the GPU captures: fp32 masters under bf16 copies, a CUDA graph -----------------------
+def _casts(fn) -> int:
+    """How many fp32 tensors ``fn`` casts to bf16 (aten._to_copy)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            Count.n += func is torch.ops.aten._to_copy.default and args[0].dtype == torch.float32 \
+                and out.dtype == torch.bfloat16
+            return out
+    with Count():
+        fn()
+    return Count.n
+
+
+def test_under_bf16_a_cohort_computes_with_bf16_adapters_and_updates_fp32_masters(setup):
+    """CohortMasters: the forward casts no adapter (the model's trained tensors are bf16 copies),
+    yet three steps move the fp32 values exactly as autocast over fp32 adapters does; a master
+    kept in bf16 (small steps lost to its 8-bit mantissa) or not restored fails this."""
+    import copy
+    from comix.algorithms.cohort import CohortMasters, cohort_step
+    _, stacked, _ = _stacked_pair(setup, AdapterConfig(lora=LoRAConfig(r=4), mlp="mixture", n_experts=4, top_k=2))
+    stacked.to(torch.bfloat16)  # the base as a bf16 run stores it (Runtime.prepare_base), adapters in fp32
+    for p in stacked.parameters():
+        p.data = p.data.float() if p.requires_grad else p.data
+    ref_model = copy.deepcopy(stacked)
+    train = _train(lr=1e-4, grad_clip=1.0, weight_decay=0.01)
+    x, y = torch.randint(0, 200, (4, 12)), torch.randint(0, 200, (4, 12))
+    ref = [p for p in ref_model.parameters() if p.requires_grad]
+    ref_opt = CohortAdamW(ref, train)
+    params = [p for p in stacked.parameters() if p.requires_grad]
+    start = [p.detach().clone() for p in params]
+    masters = CohortMasters(params, torch.bfloat16)
+    opt = CohortAdamW(params, train, master=masters.of(params))
+    assert {p.dtype for p in params} == {torch.bfloat16} and opt.master.dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        casts_ref = _casts(lambda: ref_model(input_ids=x))
+        casts = _casts(lambda: stacked(input_ids=x))
+        # autocast casts the fp32 adapters at each use (30 of the 37 casts here); the copies need
+        # none, what is left is the base's own (rotary angles, routing weights): 7
+        assert casts < casts_ref / 2
+        for _ in range(3):
+            ce_ref = cohort_step(ref_model, x, y, ref, ref_opt, [1e-4, 3e-4], train)
+            ce = cohort_step(stacked, x, y, params, opt, [1e-4, 3e-4], train)
+            assert torch.equal(ce, ce_ref)
+    masters.restore()
+    for p, q in zip(params, ref):
+        assert p.dtype == torch.float32 and torch.allclose(p, q, rtol=1e-6, atol=1e-9)
+    assert max(float((p - q).abs().max()) for p, q in zip(params, ref)) < 1e-7
+    assert max(float((p.detach() - s).abs().max()) for p, s in zip(params, start)) > 5e-5  # the steps moved them
+
+
+def test_a_bf16_cohort_run_equals_the_bf16_run_one_client_at_a_time(setup, tmp_path):
+    """The engine path under bf16 (CPU autocast): the cohort's masters are restored, so the clients
+    keep fp32 adapters, and per-user scores equal the sequential bf16 run's (bf16 products of a
+    different row count round differently: 1e-2)."""
+    from comix.runtime import resolve
+    model, users = setup
+    outs = {}
+    for cohort in (1, 3):
+        algo = _algo("comigs-1g1s", cohort)
+        rt = resolve("cpu", "bf16")
+        outs[cohort] = run_method(algo, rt.prepare_base(load_base_model("tiny-llama")[0]), users,
+                                  tmp_path / f"c{cohort}", seed=5, runtime=rt)
+    for user, metrics in outs[1]["per_user"].items():
+        assert outs[3]["per_user"][user]["test_ppl"] == pytest.approx(metrics["test_ppl"], rel=1e-2)
+    from safetensors.torch import load_file
+    finals = load_file(tmp_path / "c3" / "adapters" / "a.safetensors")
+    assert {t.dtype for t in finals.values()} == {torch.float32}
+    rows = [json.loads(ln) for ln in (tmp_path / "c3" / "metrics.jsonl").read_text().splitlines()]
+    assert {r.get("cohort") for r in rows if "train_loss" in r} == {3}
+
+
+def test_graphs_on_a_machine_without_cuda_is_one_line_naming_the_key(tmp_path, capsys):
+    assert main(["run", "model=tiny-llama", "device=cpu", "graphs=true", f"run_dir={tmp_path / 'r'}"]) != 0
+    assert "graphs=true" in "".join(capsys.readouterr()) and not (tmp_path / "r").exists()
+    assert main(["run", "model=tiny-llama", "graphs=sometimes", f"run_dir={tmp_path / 'r'}"]) != 0
+    assert "graphs must be auto, true or false" in "".join(capsys.readouterr())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_captured_cohort_step_equals_the_eager_one(setup, precision):
+    """On CUDA ``CohortStep`` captures its step (forward, backward, clip, AdamW) as one CUDA graph
+    after its warm-up and replays it: eight steps at changing learning rates equal the eager steps
+    (a value baked into the graph at capture, a rate or step count not read from the device tensor,
+    or a batch not copied into the static buffer fails this), and the capture did happen (a step
+    that reads a value back to the host cannot be captured)."""
+    import copy
+    from comix.algorithms.cohort import CohortMasters, CohortStep
+    _, stacked, _ = _stacked_pair(setup, AdapterConfig(lora=LoRAConfig(r=4), mlp="mixture", n_experts=4, top_k=2))
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    train = _train(lr=1e-3, grad_clip=0.5, weight_decay=0.01, load_balance="uniform", lb_weight=0.01)
+    steps, results = [], []
+    for capture in (False, True):
+        model = copy.deepcopy(stacked).cuda()
+        params = [p for p in model.parameters() if p.requires_grad]
+        masters = CohortMasters(params, dtype)
+        step = CohortStep(model, params, CohortAdamW(params, train, master=masters.of(params)), train, capture=capture)
+        g = torch.Generator().manual_seed(0)
+        ces = []
+        with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+            for i in range(8):
+                x = torch.randint(0, 200, (4, 12), generator=g)
+                ces.append(step(x, torch.roll(x, -1, 1), [1e-3 * (i + 1), 2e-3]))
+        masters.restore()
+        steps.append(step)
+        results.append((torch.stack(ces).cpu(), [p.detach().cpu() for p in params]))
+    assert steps[1].captured and not steps[0].captured
+    assert torch.allclose(results[0][0], results[1][0], rtol=1e-5)
+    for a, b in zip(results[0][1], results[1][1]):
+        assert _close(a, b, 1e-5)

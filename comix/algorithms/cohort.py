@@ -22,6 +22,7 @@ the others keep their own client step and run one client after another.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -32,35 +33,87 @@ from ..models.cohort import clients_of, load_stacked, unstack
 from ..runtime import to_cpu
 from .training import ClientState, TrainConfig, batch_generator, expert_lr, model_load_balance
 
+log = logging.getLogger(__name__)
+
+
+class CohortMasters:
+    """The fp32 master values of a cohort's trained parameters, side by side in one (C, P) buffer
+    (C clients, P values each), while the model computes with copies in the compute dtype.
+
+    Under ``precision=bf16`` the sequential executor keeps its adapters in fp32 and autocast casts
+    each one at each use, in every forward (509 casts a step on the H200, docs/benchmarks.md "On a
+    GPU"); here the model's parameters *are* bf16 copies, so a forward casts none of them, while
+    AdamW updates the fp32 masters and writes the copies after each step: the master weights of
+    mixed-precision training (Micikevicius et al. 2018, "Mixed Precision Training", Sec. 3.1), so
+    small LoRA steps are not lost to bf16's 8-bit mantissa. The values a forward sees are the ones
+    autocast would have cast, so the step is the same step. In fp32 the model's parameters are the
+    copies and the buffer is the optimisers' (``CohortAdamW``). ``restore`` gives the model its
+    fp32 values back at the round's end (what the clients keep)."""
+
+    def __init__(self, params: list[torch.Tensor], dtype: torch.dtype):
+        self.params, self.dtype = params, dtype
+        self.clients = params[0].shape[0]
+        self.columns, start = {}, 0
+        for p in params:
+            self.columns[id(p)] = (start, start + p[0].numel())
+            start += p[0].numel()
+        self.flat = torch.cat([p.detach().reshape(self.clients, -1).float() for p in params], 1)
+        if dtype != torch.float32:
+            for p in params:
+                p.data = p.data.to(dtype)
+
+    def of(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """The (C, P') columns holding ``params``' masters, a view (one optimiser's share)."""
+        spans = [self.columns[id(p)] for p in params]
+        if any(a[1] != b[0] for a, b in zip(spans, spans[1:])):
+            raise ValueError("an optimiser's parameters must lie side by side among the cohort's masters")
+        return self.flat[:, spans[0][0]:spans[-1][1]]
+
+    def restore(self) -> None:
+        """The model's parameters back to their fp32 master values."""
+        if self.dtype != torch.float32:
+            for p in self.params:
+                a, b = self.columns[id(p)]
+                p.data = self.flat[:, a:b].reshape(p.shape).clone()
+
 
 class CohortAdamW:
     """AdamW over parameters stacked on a client axis (dim 0), each client with its own learning
     rate, step count and moments. The update is torch.optim.AdamW's single-tensor one, term for
     term (decoupled decay p *= 1 - lr*wd; m, v; bias corrections of the client's own step), with
     the per-client scalars as (C, 1) tensors: AdamW is elementwise, so slot c evolves exactly as
-    client c's own optimiser would. Moments and the update live in flat (C, P) buffers, every
-    parameter side by side: a handful of whole-buffer operations a step instead of eight per
-    tensor (hundreds of small launches on a GPU: SmolLM2 with LoRA carries 420 adapter tensors)."""
+    client c's own optimiser would. Masters, moments and the update live in flat (C, P) buffers,
+    every parameter side by side: a handful of whole-buffer operations a step instead of eight per
+    tensor (hundreds of small launches on a GPU: SmolLM2 with LoRA carries 420 adapter tensors).
+    A step is split in two: ``begin_step`` on the host (the learning rates into a device tensor,
+    the step counts' host mirror) and ``update`` on the device, which reads no host value (step
+    counts and bias corrections are device tensors, in float64 as torch computes them on the host),
+    so it can be captured in a CUDA graph (``CohortStep``). ``master``: the parameters' fp32
+    values (``CohortMasters.of``); by default a copy of ``params``."""
 
-    def __init__(self, params: list[torch.Tensor], train: TrainConfig, eps: float = 1e-8):
-        if len({(p.dtype, p.device) for p in params}) != 1:
-            raise ValueError("a cohort's trained parameters must share one dtype and device (fp32 masters)")
+    def __init__(self, params: list[torch.Tensor], train: TrainConfig, eps: float = 1e-8,
+                 master: torch.Tensor | None = None):
+        if len({p.device for p in params}) != 1:
+            raise ValueError("a cohort's trained parameters must share one device")
         self.params, self.eps = params, eps
         self.beta1, self.beta2 = train.betas
         self.weight_decay = train.weight_decay
         self.clients = params[0].shape[0]
         self.sizes = [p[0].numel() for p in params]
-        self.exp_avg = params[0].new_zeros(self.clients, sum(self.sizes))
+        self.master = self.flat(params) if master is None else master
+        self.exp_avg = torch.zeros(self.master.shape, dtype=self.master.dtype, device=self.master.device)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
-        self.steps = [0] * self.clients
+        self.steps = [0] * self.clients   # host mirrors of the device's step counts and rates (state_dict)
         self.lrs = [0.0] * self.clients
+        self.step_count = torch.zeros(self.clients, 1, dtype=torch.float64, device=self.master.device)
+        self.lr = torch.zeros_like(self.step_count)
         # torch's param_group of an AdamW built as make_optimizer builds it: what a saved state holds
         self.group = torch.optim.AdamW([torch.zeros(1)], lr=train.lr, betas=tuple(train.betas),
                                        weight_decay=train.weight_decay).state_dict()["param_groups"][0]
 
     def flat(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        """``tensors`` (shaped as the parameters) side by side in one (C, P) tensor."""
-        return torch.cat([t.reshape(self.clients, -1) for t in tensors], 1)
+        """``tensors`` (shaped as the parameters) side by side in one fp32 (C, P) tensor."""
+        return torch.cat([t.reshape(self.clients, -1) for t in tensors], 1).float()
 
     def load(self, client: int, saved: dict) -> None:
         """Client ``client``'s moments from its ``AdamW.state_dict()`` (parameters in the same order)."""
@@ -68,6 +121,7 @@ class CohortAdamW:
         self.exp_avg[client] = torch.cat([s["exp_avg"].reshape(-1) for s in st]).to(self.exp_avg)
         self.exp_avg_sq[client] = torch.cat([s["exp_avg_sq"].reshape(-1) for s in st]).to(self.exp_avg)
         self.steps[client] = int(float(st[0]["step"]))
+        self.step_count[client] = self.steps[client]
         self.lrs[client] = saved["param_groups"][0]["lr"]
 
     def state_dict(self, client: int) -> dict:
@@ -80,25 +134,33 @@ class CohortAdamW:
         return {"state": state, "param_groups": [{**self.group, "lr": self.lrs[client],
                                                   "params": list(range(len(self.params)))}]}
 
-    def _per_client(self, values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float64).to(self.exp_avg.device, self.exp_avg.dtype).view(-1, 1)
-
-    @torch.no_grad()
-    def step(self, grads: torch.Tensor, lrs: list[float]) -> None:
-        """One step with ``grads``, the (C, P) gradients side by side (``flat``)."""
+    def begin_step(self, lrs: list[float]) -> None:
+        """The host's part of a step: each client's learning rate into the device tensor."""
         self.lrs = list(lrs)
         self.steps = [s + 1 for s in self.steps]
-        b1, b2 = self.beta1, self.beta2
-        decay = self._per_client([1 - lr * self.weight_decay for lr in lrs])
-        step_size = self._per_client([lr / (1 - b1 ** s) for lr, s in zip(lrs, self.steps)])
-        bias2_sqrt = self._per_client([(1 - b2 ** s) ** 0.5 for s in self.steps])
-        p, m, v = self.flat(self.params), self.exp_avg, self.exp_avg_sq
+        self.lr.copy_(torch.tensor(self.lrs, dtype=torch.float64).view(-1, 1), non_blocking=True)
+
+    @torch.no_grad()
+    def update(self, grads: torch.Tensor) -> None:
+        """The device's part: the update with ``grads``, the (C, P) gradients side by side
+        (``flat``), then the parameters (the compute-dtype copies) rewritten from the masters."""
+        self.step_count += 1
+        b1, b2, dtype = self.beta1, self.beta2, self.master.dtype
+        decay = (1 - self.lr * self.weight_decay).to(dtype)
+        step_size = (self.lr / (1 - b1 ** self.step_count)).to(dtype)
+        bias2_sqrt = (1 - b2 ** self.step_count).sqrt().to(dtype)
+        p, m, v = self.master, self.exp_avg, self.exp_avg_sq
         p.mul_(decay)
         m.lerp_(grads, 1 - b1)
         v.mul_(b2).addcmul_(grads, grads, value=1 - b2)
         denom = (v.sqrt() / bias2_sqrt).add_(self.eps)
         p.sub_(step_size * (m / denom))
         torch._foreach_copy_(self.params, [t.view(q.shape) for t, q in zip(p.split(self.sizes, 1), self.params)])
+
+    def step(self, grads: torch.Tensor, lrs: list[float]) -> None:
+        """One step with ``grads`` (``flat``) at each client's ``lrs``."""
+        self.begin_step(lrs)
+        self.update(grads)
 
 
 def clip_per_client(grads: torch.Tensor, max_norm: float) -> None:
@@ -126,14 +188,79 @@ def cohort_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, params: list
     """One optimiser step of every client of the cohort (``train_step`` per client): the sum of
     the clients' losses (CE + lb_weight x load balance) differentiated w.r.t. ``params`` only,
     each client's gradient clipped to its own norm, then ``opt``. Returns each client's CE."""
+    opt.begin_step(lrs)
+    return _device_step(model, x, y, params, opt, train)
+
+
+def _device_step(model, x, y, params, opt: CohortAdamW, train: TrainConfig) -> torch.Tensor:
+    """``cohort_step`` after the host's part: fixed shapes, no value read back to the host."""
     ce = cohort_lm_losses(model, x, y)
     loss = ce + train.lb_weight * model_load_balance(model, train.load_balance).to(ce.device)
     grads = torch.autograd.grad(loss.sum(), params, allow_unused=True)
     grads = opt.flat([torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)])
     if train.grad_clip:
         clip_per_client(grads, train.grad_clip)
-    opt.step(grads, lrs)
+    opt.update(grads)
     return ce.detach()
+
+
+class CohortStep:
+    """``cohort_step`` over fixed buffers, the cohort's expert iterations of one round. With
+    ``capture`` (a CUDA device, ``graphs``: runtime.py) the whole step (forward, backward, each
+    client's clip and AdamW) is captured as one CUDA graph after ``WARMUP`` eager steps, then
+    replayed: one launch where eager mode issues ~1,500 kernels from Python (the H200's plain-LoRA
+    step spent 43 ms in kernels and 409 ms on the host, docs/benchmarks.md "On a GPU"). The recipe
+    is PyTorch's whole-network capture (torch.cuda.graphs docs, "Whole-network capture": warm-up
+    on a side stream, static inputs copied in before each replay, autocast without its cast
+    cache); the step has static shapes and reads nothing back to the host (``CohortAdamW.update``),
+    which capture requires. Without ``capture`` (the CPU) the same step runs eagerly. A capture
+    that fails is logged with its reason and the round goes on eagerly."""
+    WARMUP = 3  # eager steps before capture: lazy initialisation (cuBLAS handles, autograd's buffers) happens outside it
+
+    def __init__(self, model: nn.Module, params: list[nn.Parameter], opt: CohortAdamW, train: TrainConfig,
+                 capture: bool = False):
+        self.model, self.params, self.opt, self.train = model, params, opt, train
+        self.capture, self.calls, self.graph, self.captured = capture, 0, None, False
+        self.x = self.y = self.out = None
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, lrs: list[float]) -> torch.Tensor:
+        """One step of every client on its rows of ``x`` / ``y``; returns each client's CE."""
+        if not self.capture:
+            return cohort_step(self.model, x, y, self.params, self.opt, lrs, self.train)
+        self.opt.begin_step(lrs)
+        device = self.opt.master.device
+        if self.x is None:
+            self.x, self.y = x.to(device), y.to(device)
+        else:
+            self.x.copy_(x, non_blocking=True)
+            self.y.copy_(y, non_blocking=True)
+        self.calls += 1
+        if self.graph is not None:
+            self.graph.replay()
+            return self.out.clone()
+        if self.calls <= self.WARMUP:
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                out = _device_step(self.model, self.x, self.y, self.params, self.opt, self.train)
+            torch.cuda.current_stream(device).wait_stream(side)
+            return out
+        return self._capture(device)
+
+    def _capture(self, device: torch.device) -> torch.Tensor:
+        dtype, enabled = torch.get_autocast_dtype("cuda"), torch.is_autocast_enabled("cuda")
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph), torch.autocast("cuda", dtype=dtype, enabled=enabled, cache_enabled=False):
+                self.out = _device_step(self.model, self.x, self.y, self.params, self.opt, self.train)
+        except RuntimeError as err:  # the step, not captured, has not run: run it eagerly
+            log.warning("a cohort step could not be captured as a CUDA graph (%s); the round runs eagerly",
+                        str(err).splitlines()[0])
+            self.capture = False
+            return _device_step(self.model, self.x, self.y, self.params, self.opt, self.train)
+        self.graph, self.captured = graph, True
+        graph.replay()
+        return self.out.clone()
 
 
 @dataclass
@@ -146,9 +273,10 @@ class CohortMember:
     payload: dict
 
 
-def _optimizer(named, members: list[CohortMember], key: str, train: TrainConfig) -> CohortAdamW:
+def _optimizer(named, members: list[CohortMember], key: str, train: TrainConfig, masters: CohortMasters) -> CohortAdamW:
     """``make_optimizer`` for a cohort: each member's own saved moments with ``optimizer_state=run``."""
-    opt = CohortAdamW([p for _, p in named], train)
+    params = [p for _, p in named]
+    opt = CohortAdamW(params, train, master=masters.of(params))
     if train.optimizer_state == "run":
         for c, m in enumerate(members):
             if key in m.state.optimizers:
@@ -187,22 +315,27 @@ def cohort_round(algorithm, model: nn.Module, members: list[CohortMember], conte
     load_stacked(model, [m.state.adapters for m in members])
     gens = [batch_generator(m.state) for m in members]
     model.train()
+    runtime = contexts[0].runtime
     named = algorithm.train_params(model)
     params = [p for _, p in named]
-    opt = _optimizer(named, members, "experts", train)
-    total = train.rounds * train.local_steps
     phase = algorithm.interleaved()
+    routed = phase.params(model) if phase is not None else []
+    # every trained tensor's fp32 master, the model computing with copies in the compute dtype
+    seen = {id(p) for p in params}
+    masters = CohortMasters(params + [p for _, p in routed if id(p) not in seen], runtime.dtype)
+    opt = _optimizer(named, members, "experts", train, masters)
+    step = CohortStep(model, params, opt, train, capture=runtime.graphs)
+    total = train.rounds * train.local_steps
     losses, rows = [], {m.client: 0 for m in members}
     for _ in range(train.local_steps):
         lrs = [expert_lr(m.state.step, total, train) for m in members]
         x, y = _batches(members, gens, "train", train, algorithm, contexts)
-        losses.append(cohort_step(model, x, y, params, opt, lrs, train))
+        losses.append(step(x, y, lrs))
         for m in members:
             rows[m.client] += x.numel() // len(members)
             m.state.step += 1
-        if phase is not None and members[0].state.step % phase.every == 0 and phase.params(model):
-            routed = phase.params(model)
-            ropt = _optimizer(routed, members, phase.key, train)
+        if routed and members[0].state.step % phase.every == 0:  # router steps: few, run eagerly
+            ropt = _optimizer(routed, members, phase.key, train, masters)
             for _ in range(phase.steps):
                 x, y = _batches(members, gens, phase.split, train, algorithm, contexts)
                 cohort_step(model, x, y, [p for _, p in routed], ropt, [phase.lr] * len(members), train)
@@ -210,6 +343,8 @@ def cohort_round(algorithm, model: nn.Module, members: list[CohortMember], conte
                     rows[m.client] += x.numel() // len(members)
             _keep(ropt, members, phase.key, train)
     _keep(opt, members, "experts", train)
+    del step  # the captured graph's memory, before the states are read
+    masters.restore()
     per_client = torch.stack(losses).t().tolist()  # (C, steps): one device sync per round
     out = []
     trained = unstack(model, list(members[0].state.adapters))

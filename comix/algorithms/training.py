@@ -297,8 +297,8 @@ def model_load_balance(model: nn.Module, weighting: str) -> torch.Tensor:
     clients = clients_of(model)
     layers = [m for m in mixtures(model) if isinstance(m, MixtureOfLoRAMLP) and m.last_routing is not None
               and m.n_experts > 1]
-    if not layers or weighting == "none":
-        return torch.zeros((clients,) if clients > 1 else ())
+    if not layers or weighting == "none":  # on the model's device: a cohort's captured step copies nothing in
+        return torch.zeros((clients,) if clients > 1 else (), device=next(model.parameters()).device)
     return torch.stack([load_balance_loss(m.last_routing, m.n_experts, weighting, clients) for m in layers]).mean(0)
 
 
