@@ -95,6 +95,7 @@ def make_step(base, cfg: AdapterConfig, clients: int, rows: int, seq: int, runti
     vocab = model.config.vocab_size
     x = torch.randint(0, vocab, (clients * rows, seq), generator=gen)
     y = torch.randint(0, vocab, (clients * rows, seq), generator=gen)
+    cohort_step = None
     if clients == 1:  # the sequential executor's step
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=train.lr, betas=tuple(train.betas), weight_decay=train.weight_decay)
@@ -110,7 +111,7 @@ def make_step(base, cfg: AdapterConfig, clients: int, rows: int, seq: int, runti
     def run():
         with runtime.autocast():
             step()
-    return model, run
+    return model, run, cohort_step
 
 
 def _shared_copy(base):
@@ -146,7 +147,7 @@ def main(argv=None) -> int:
     for kind in args.adapters:
         for c, capture in variants:
             key = f"{kind}, cohort {c}" + (", eager" if runtime.graphs and c > 1 and not capture else "")
-            model, run = make_step(base, ADAPTERS[kind], c, args.rows, args.seq, runtime, train, capture)
+            model, run, stepper = make_step(base, ADAPTERS[kind], c, args.rows, args.seq, runtime, train, capture)
             if runtime.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(runtime.device)
             with Footprint(model) as fp:
@@ -158,7 +159,9 @@ def main(argv=None) -> int:
             run()  # warm-up 2
             run()  # warm-up 3: a captured step's capture (CohortStep.WARMUP eager steps first)
             configs[key] = run
-            results[key] = {"adapters": kind, "cohort": c, "graph": capture, "tokens": c * args.rows * args.seq,
+            # "graph": whether the step was captured (a capture that fails runs eagerly and says why)
+            results[key] = {"adapters": kind, "cohort": c, "graph": bool(stepper and stepper.captured),
+                            "tokens": c * args.rows * args.seq,
                             "flops": counter.get_total_flops(), "step_peak_mb": round(fp.peak / 2**20, 1),
                             **({"peak_mem_mb": round(mem, 1)} if mem is not None else {})}
             print(f"built {key}: {results[key]['flops'] / 1e9:.1f} GFLOP a step", flush=True)

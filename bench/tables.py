@@ -754,7 +754,17 @@ def eval_clients_table(text: str) -> str:
         "in both runs.")
 
 
-BENCH_FILES = {"eval-clients.json": eval_clients_table, "soak.json": soak_table, "large-upload.json": large_upload_table, "device-export.json": device_export_table, "cohort-cpu-fp32.json": cohort_table, "layer-speed.md": layer_speed_table, "layer-speed-full.md": layer_speed_table,  # written by a bench
+def main_job_profile_table(text: str) -> str:
+    """bench/main_job_profile.py's file: each phase's exclusive wall time in the main job."""
+    r = json.loads(text)
+    rows = ["| phase | seconds | share | timed calls |", "|---|---:|---:|---:|"]
+    rows += [f"| {p['phase']} | {p['seconds']:,.1f} | {p['share']:.1%} | {p['calls']:,} |" for p in r["phases"]]
+    return "\n".join(rows) + (f"\n\n`{r['command']}`: {r['machine']}, {r['threads']} threads, torch {r['torch']}, "
+                              f"{r['date']}; the whole job {r['total_s'] / 60:.2f} min (imports included), "
+                              f"peak RSS {r['peak_rss_mb'] / 1024:.1f} GB.")
+
+
+BENCH_FILES = {"eval-clients.json": eval_clients_table, "main-job-profile.json": main_job_profile_table, "soak.json": soak_table, "large-upload.json": large_upload_table, "device-export.json": device_export_table, "cohort-cpu-fp32.json": cohort_table, "layer-speed.md": layer_speed_table, "layer-speed-full.md": layer_speed_table,  # written by a bench
                "layer-speed-h200-bf16.md": layer_speed_table,
                "vaa-attribution.json": vaa_attribution_table, "vaa-attribution-long.json": vaa_attribution_table}
 

@@ -24,7 +24,7 @@ def test_the_gpu_script_runs_every_step_and_packs_its_results(tmp_path):
     assert set(steps) >= {"tests", "main-cohort1", "main-cohort-auto", "cohort-bench", "paper-table1"}
     with tarfile.open(tmp_path / "out" / "results.tar.xz") as tar:
         names = tar.getnames()
-    assert "./cohort-bench.json" in names and "./env.txt" in names
+    assert "./cohort-bench.json" in names and "./env.txt" in names and "./main-job-profile.json" in names
     assert any(n.endswith("main-cohort-auto/local/results.json") for n in names)
     assert not any("checkpoint.pt" in n or n.endswith(".safetensors") for n in names)  # nothing heavy comes back
     bench = json.loads((tmp_path / "work" / "cohort-bench.json").read_text())
