@@ -85,8 +85,8 @@ def cohort_size(algorithm: Algorithm, base: nn.Module, users: list[UserData], ru
     as 80 % of the device's free memory holds, at one client's measured training need beyond
     the frozen base (``training_memory``: trainable state and one step's activations); on the
     CPU at most ``CPU_COHORT_MB`` of that need in all, since there a larger step is slower, not
-    faster (bench/results/cohort-cpu-fp32.json: SmolLM2-135M's tokens/s peak at ~0.7-1.3 GB of
-    activations a step, cohort 4 x 128 tokens, and fall by a third at 2.7-5 GB)."""
+    faster (bench/results/cohort-cpu-fp32*.json: SmolLM2-135M's tokens/s gain 1.05-1.44x at a
+    cohort of 4 x 128 tokens, 0.9-1.5 GB a step, and no more, or less, at 16 clients' 3.5-5.9 GB)."""
     want = algorithm.train.cohort
     if want == 1:
         return 1, ""
