@@ -426,6 +426,65 @@ def test_a_bf16_cohort_run_equals_the_bf16_run_one_client_at_a_time(setup, tmp_p
     assert {r.get("cohort") for r in rows if "train_loss" in r} == {3}
 
 
+class _HostTensors:
+    """A dispatch mode that lists every op handed a tensor on the host (the CPU)."""
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        hits = self.hits = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                hits.extend(str(func) for a in torch.utils._pytree.tree_leaves((args, kwargs or {}))
+                            if isinstance(a, torch.Tensor) and a.device.type == "cpu")
+                return func(*args, **(kwargs or {}))
+        self.mode = Mode()
+
+
+@pytest.mark.parametrize("mlp,load_balance", [(None, "none"), ("mixture", "uniform"), ("mixture", "generalist")])
+def test_the_step_a_gpu_captures_takes_nothing_from_the_host(mlp, load_balance):
+    """CohortStep captures ``_device_step`` whole (forward, load balance, backward, clip, AdamW), so
+    it must neither read a value back to the host nor take a tensor made there (a CUDA graph
+    records neither). Run on the meta device, a read-back (``.item()``, ``.tolist()``, a Python
+    ``if`` on a tensor) raises, and a tensor made on the host without ``device=`` shows as a CPU
+    argument: this CPU test stands for the capture it cannot run."""
+    from comix.algorithms.cohort import CohortMasters, _device_step
+    cfg = AdapterConfig(lora=LoRAConfig(r=4), mlp=mlp, n_experts=4, top_k=2) if mlp else AdapterConfig(
+        lora=LoRAConfig(r=4))
+    model = stack_clients(inject_adapters(load_base_model("tiny-llama")[0], cfg), 2).to("meta")
+    params = [p for p in model.parameters() if p.requires_grad]
+    train = _train(grad_clip=0.5, weight_decay=0.01, load_balance=load_balance, lb_weight=0.01)
+    masters = CohortMasters(params, torch.float32)
+    opt = CohortAdamW(params, train, master=masters.of(params))
+    opt.begin_step([1e-3, 2e-3])  # the host's part, run before each replay
+    x = torch.randint(0, 200, (4, 12)).to("meta")
+    host = _HostTensors()
+    with host.mode:
+        ce = _device_step(model, x, torch.roll(x, -1, 1), params, opt, train)
+    assert ce.shape == (2,) and ce.device.type == "meta"
+    assert host.hits == []
+
+
+def test_a_failed_cohort_round_leaves_the_models_tensors_fp32(setup, tmp_path, monkeypatch):
+    """Under bf16 a cohort computes with bf16 copies of its adapters; a round that fails half-way
+    still gives the model its fp32 masters back (restore in a ``finally``)."""
+    import comix.algorithms.cohort as cohort
+    from comix.runtime import resolve
+    model, users = setup
+    seen = []
+
+    def failing(algorithm, stacked, *args):
+        seen.append(stacked)
+        assert {p.dtype for p in stacked.parameters() if p.requires_grad} == {torch.bfloat16}
+        raise RuntimeError("a step failed")
+    monkeypatch.setattr(cohort, "_lockstep", failing)
+    rt = resolve("cpu", "bf16")
+    with pytest.raises(RuntimeError, match="a step failed"):
+        run_method(_algo("comigs-1g1s", 3), rt.prepare_base(load_base_model("tiny-llama")[0]), users,
+                   tmp_path / "r", seed=5, runtime=rt)
+    assert {p.dtype for p in seen[0].parameters() if p.requires_grad} == {torch.float32}
+
+
 def test_graphs_on_a_machine_without_cuda_is_one_line_naming_the_key(tmp_path, capsys):
     assert main(["run", "model=tiny-llama", "device=cpu", "graphs=true", f"run_dir={tmp_path / 'r'}"]) != 0
     assert "graphs=true" in "".join(capsys.readouterr()) and not (tmp_path / "r").exists()

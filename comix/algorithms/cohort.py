@@ -222,40 +222,51 @@ class CohortStep:
         self.model, self.params, self.opt, self.train = model, params, opt, train
         self.capture, self.calls, self.graph, self.captured = capture, 0, None, False
         self.x = self.y = self.out = None
+        self.device = opt.master.device
+        # one side stream for every warm-up (the recipe warms up on one stream other than the default)
+        self.side = torch.cuda.Stream(self.device) if capture else None
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor, lrs: list[float]) -> torch.Tensor:
         """One step of every client on its rows of ``x`` / ``y``; returns each client's CE."""
         if not self.capture:
             return cohort_step(self.model, x, y, self.params, self.opt, lrs, self.train)
-        self.opt.begin_step(lrs)
-        device = self.opt.master.device
-        if self.x is None:
-            self.x, self.y = x.to(device), y.to(device)
-        else:
-            self.x.copy_(x, non_blocking=True)
-            self.y.copy_(y, non_blocking=True)
-        self.calls += 1
-        if self.graph is not None:
-            self.graph.replay()
-            return self.out.clone()
-        if self.calls <= self.WARMUP:
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                out = _device_step(self.model, self.x, self.y, self.params, self.opt, self.train)
-            torch.cuda.current_stream(device).wait_stream(side)
-            return out
-        return self._capture(device)
+        # cuda:N, N > 0: warm-up, capture and replay on the model's device, not the current one
+        with torch.cuda.device(self.device), self._autocast():
+            self.opt.begin_step(lrs)
+            if self.x is None:
+                self.x, self.y = x.to(self.device), y.to(self.device)
+            else:
+                self.x.copy_(x, non_blocking=True)
+                self.y.copy_(y, non_blocking=True)
+            self.calls += 1
+            if self.graph is not None:
+                self.graph.replay()
+                return self.out.clone()
+            if self.calls <= self.WARMUP:
+                self.side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self.side):
+                    out = _device_step(self.model, self.x, self.y, self.params, self.opt, self.train)
+                torch.cuda.current_stream(self.device).wait_stream(self.side)
+                return out
+            return self._capture()
 
-    def _capture(self, device: torch.device) -> torch.Tensor:
-        dtype, enabled = torch.get_autocast_dtype("cuda"), torch.is_autocast_enabled("cuda")
+    @staticmethod
+    def _autocast():
+        """The round's autocast without its cast cache, for the warm-ups as for the capture: a graph
+        cannot hold the cache's casts, and torch.compile's mixture (on by default on CUDA) would
+        recompile inside the capture if its warm-ups had run under another autocast state."""
+        return torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"),
+                              enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False)
+
+    def _capture(self) -> torch.Tensor:
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph), torch.autocast("cuda", dtype=dtype, enabled=enabled, cache_enabled=False):
+            with torch.cuda.graph(graph):
                 self.out = _device_step(self.model, self.x, self.y, self.params, self.opt, self.train)
-        except RuntimeError as err:  # the step, not captured, has not run: run it eagerly
-            log.warning("a cohort step could not be captured as a CUDA graph (%s); the round runs eagerly",
-                        str(err).splitlines()[0])
+        except Exception as err:  # noqa: BLE001 (torch.compile's errors are not all RuntimeErrors)
+            # the step, recorded but not run, has changed nothing on the device: run it eagerly
+            log.warning("a cohort step could not be captured as a CUDA graph (%s: %s); the round runs eagerly",
+                        type(err).__name__, str(err).splitlines()[0] if str(err) else "")
             self.capture = False
             return _device_step(self.model, self.x, self.y, self.params, self.opt, self.train)
         self.graph, self.captured = graph, True
@@ -302,6 +313,31 @@ def _batches(members, gens, split: str, train: TrainConfig, algorithm, contexts)
     return torch.cat(xs), torch.cat(ys)
 
 
+def _lockstep(algorithm, model, members, gens, contexts, step: CohortStep, routed, phase, masters):
+    """The round's local steps of every member, the router's every ``phase.every`` steps;
+    returns (each step's per-client CE, each member's training rows)."""
+    train = algorithm.train
+    total = train.rounds * train.local_steps
+    losses, rows = [], {m.client: 0 for m in members}
+    for _ in range(train.local_steps):
+        lrs = [expert_lr(m.state.step, total, train) for m in members]
+        x, y = _batches(members, gens, "train", train, algorithm, contexts)
+        losses.append(step(x, y, lrs))
+        for m in members:
+            rows[m.client] += x.numel() // len(members)
+            m.state.step += 1
+        if routed and members[0].state.step % phase.every == 0:  # router steps: few, run eagerly
+            ropt = _optimizer(routed, members, phase.key, train, masters)
+            for _ in range(phase.steps):
+                x, y = _batches(members, gens, phase.split, train, algorithm, contexts)
+                cohort_step(model, x, y, [p for _, p in routed], ropt, [phase.lr] * len(members), train)
+                for m in members:
+                    rows[m.client] += x.numel() // len(members)
+            _keep(ropt, members, phase.key, train)
+    _keep(step.opt, members, "experts", train)
+    return losses, rows
+
+
 def cohort_round(algorithm, model: nn.Module, members: list[CohortMember], contexts) -> list[tuple]:
     """One local round of every member, in lockstep on ``model`` (stacked for len(members)
     clients): ``Algorithm.client_round``'s default body for each member. Returns
@@ -325,26 +361,11 @@ def cohort_round(algorithm, model: nn.Module, members: list[CohortMember], conte
     masters = CohortMasters(params + [p for _, p in routed if id(p) not in seen], runtime.dtype)
     opt = _optimizer(named, members, "experts", train, masters)
     step = CohortStep(model, params, opt, train, capture=runtime.graphs)
-    total = train.rounds * train.local_steps
-    losses, rows = [], {m.client: 0 for m in members}
-    for _ in range(train.local_steps):
-        lrs = [expert_lr(m.state.step, total, train) for m in members]
-        x, y = _batches(members, gens, "train", train, algorithm, contexts)
-        losses.append(step(x, y, lrs))
-        for m in members:
-            rows[m.client] += x.numel() // len(members)
-            m.state.step += 1
-        if routed and members[0].state.step % phase.every == 0:  # router steps: few, run eagerly
-            ropt = _optimizer(routed, members, phase.key, train, masters)
-            for _ in range(phase.steps):
-                x, y = _batches(members, gens, phase.split, train, algorithm, contexts)
-                cohort_step(model, x, y, [p for _, p in routed], ropt, [phase.lr] * len(members), train)
-                for m in members:
-                    rows[m.client] += x.numel() // len(members)
-            _keep(ropt, members, phase.key, train)
-    _keep(opt, members, "experts", train)
-    del step  # the captured graph's memory, before the states are read
-    masters.restore()
+    try:
+        losses, rows = _lockstep(algorithm, model, members, gens, contexts, step, routed, phase, masters)
+    finally:  # a failed round too leaves the model's tensors fp32 (the masters) for whatever runs next
+        del step  # the captured graph's memory, before the states are read
+        masters.restore()
     per_client = torch.stack(losses).t().tolist()  # (C, steps): one device sync per round
     out = []
     trained = unstack(model, list(members[0].state.adapters))

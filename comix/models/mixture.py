@@ -289,6 +289,6 @@ def load_balance_loss(routing: Routing, n_experts: int, weighting: str = "unifor
     if weighting == "generalist":
         denom = (n - 1) ** 2 + 1
         w = torch.full((n,), (n - 1) / denom, device=p.device)
-        w[0] = 1.0 / denom
+        w[:1].fill_(1.0 / denom)  # a fill kernel: a CUDA graph cannot capture a copy from the host
         return (n * n * (w * f * p).sum(-1)).reshape(shape)
     raise ValueError(f"load_balance must be one of none, uniform, generalist; got {weighting!r}")
