@@ -5,6 +5,8 @@
                                            # number quoted in prose from its file (bench/quotes.py)
     python bench/tables.py --save RUN [RUN ...] CASE   # finished runs or compare folders (or a committed
                                                        # case, to add seeds) into bench/results/CASE/
+    python bench/tables.py --unpack CASE RUN_DIR       # a committed case's finished runs into a new compare
+                                                       # folder: comix compare --resume RUN_DIR runs the rest
 
 A *case* is a folder ``bench/results/<case>/``: ``case.json`` (the command that made it, the
 machine, the date, the table kind), the run's ``config.yaml``, and per seed and method the run's
@@ -838,17 +840,51 @@ def save(runs: list[Path], case: str, meta: dict) -> Path:
     return out
 
 
+def unpack(case: str, run_dir: Path) -> Path:
+    """A committed case back into a compare folder: its config.yaml, each seed's partition.json and
+    each finished run's results.json, metrics.jsonl and server.jsonl, so that ``comix compare
+    --resume RUN_DIR`` skips those runs and trains only the rest. A grid longer than a session is
+    saved with ``--save`` when the session stops (a work tree, and its ignored runs/, may not
+    outlive it) and continued this way in the next."""
+    src = RESULTS / case
+    if not (src / "config.yaml").exists():
+        raise SystemExit(f"bench/tables.py --unpack: {src} is not a case (no config.yaml)")
+    if run_dir.exists():
+        raise SystemExit(f"bench/tables.py --unpack: {run_dir} exists; unpack into a new folder")
+    tmp = run_dir.with_name(f".{run_dir.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    shutil.copy(src / "config.yaml", tmp / "config.yaml")
+    for f in src.glob("seed*/partition.json"):
+        (tmp / f.parent.name).mkdir(exist_ok=True)
+        shutil.copy(f, tmp / f.parent.name / "partition.json")
+    for f in src.glob("seed*/*/results.json"):
+        dest = tmp / f.parent.relative_to(src)
+        dest.mkdir(parents=True)
+        shutil.copy(f, dest / "results.json")
+        for xz in f.parent.glob("*.jsonl.xz"):
+            with lzma.open(xz, "rt") as fh:
+                (dest / xz.name.removesuffix(".xz")).write_text(fh.read())
+    tmp.rename(run_dir)
+    return run_dir
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="fail if a doc's generated table differs")
     ap.add_argument("--save", nargs="+", metavar="RUN [RUN ...] CASE",
                     help="copy finished runs (one case) into bench/results/CASE")
+    ap.add_argument("--unpack", nargs=2, metavar=("CASE", "RUN_DIR"),
+                    help="a committed case's finished runs into a new folder, for comix compare --resume")
     ap.add_argument("--meta", help="with --save: case.json as JSON (kind, command, machine, date, ...)")
     args = ap.parse_args(argv)
     if args.save:
         if len(args.save) < 2:
             ap.error("--save RUN [RUN ...] CASE")
         print(save([Path(r) for r in args.save[:-1]], args.save[-1], json.loads(args.meta or "{}")))
+        return 0
+    if args.unpack:
+        print(unpack(args.unpack[0], Path(args.unpack[1])))
         return 0
     stale = []
     for doc in DOCS:

@@ -174,6 +174,36 @@ def test_save_merges_runs_of_one_partition_keeps_the_named_methods_and_refuses_t
     assert not (tmp_path / "results" / "d").exists()
 
 
+def test_a_saved_part_of_a_grid_unpacked_is_resumed_where_it_stopped(tmp_path, monkeypatch, capsys):
+    """A grid longer than a session: its finished runs saved as a case, unpacked into a new folder,
+    and ``comix compare --resume`` trains only the runs the case lacks (to the same result as the
+    uninterrupted grid), keeping the saved ones (results and logs as they were)."""
+    from comix.cli import main
+    from test_cli import TINY, _user_dirs
+    tables = _tables()
+    monkeypatch.setattr(tables, "RESULTS", tmp_path / "results")
+    data = _user_dirs(tmp_path / "data")
+    first = tmp_path / "first"
+    args = [f"corpus={data}", f"run_dir={first}", *TINY, "--methods", "local", "fedavg", "--seeds", "1"]
+    assert main(["compare", *args]) == 0
+    whole = json.loads((first / "compare.json").read_text())
+    tables.save([first], "part", {"kind": "users", "methods": ["local"]})  # as if fedavg had not finished
+    run = tables.unpack("part", tmp_path / "again")
+    assert sorted(p.parent.name for p in run.glob("seed1/*/results.json")) == ["local"]
+    for name in ("metrics.jsonl", "server.jsonl"):
+        assert (run / "seed1" / "local" / name).read_text() == (first / "seed1" / "local" / name).read_text()
+    with pytest.raises(SystemExit, match="exists"):
+        tables.unpack("part", run)
+    with pytest.raises(SystemExit, match="not a case"):
+        tables.unpack("nothing", tmp_path / "x")
+    capsys.readouterr()
+    assert main(["compare", "--resume", str(run)]) == 0
+    assert capsys.readouterr().err.count("done earlier") == 1  # local; fedavg trained again
+    again = json.loads((run / "compare.json").read_text())
+    assert again["local"] == whole["local"]
+    assert again["fedavg"]["1"]["mean_test_ppl"] == pytest.approx(whole["fedavg"]["1"]["mean_test_ppl"], rel=1e-6)
+
+
 def test_privacy_case_reads_each_spec_s_clip_noise_and_the_epsilon_of_its_last_round(tmp_path, monkeypatch):
     tables = _tables()
     monkeypatch.setattr(tables, "RESULTS", tmp_path / "results")
