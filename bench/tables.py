@@ -500,9 +500,11 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
     partition = RESULTS / meta["case"] / "partition.json"
     mixtures = json.loads(partition.read_text()) if partition.exists() else {}
     out += ["", "The premise: each device's log perplexity per character (nats) on its own dominant domain against "
-            "the student's before distillation (lower is better):", "",
-            "| seed | device | model | dominant domain (share) | device | student | device minus student |",
-            "|---|---|---|---|---:|---:|---:|"]
+            "the student's before distillation (lower is better), and the same on the public text the distillation "
+            "runs on (all its streams pooled; '-' where the run did not measure it):", "",
+            "| seed | device | model | dominant domain (share) | device | student | device minus student | "
+            "public text: device | student | device minus student |",
+            "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
     gaps: dict[str, list[float]] = {d: [] for d in domains}  # device minus student on its own domain
     owners: dict[str, set[int]] = {d: set() for d in domains}  # the devices dominant in it (one partition)
     for s in seeds:
@@ -516,8 +518,12 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
             dev, stu = known["devices"][str(c)][dom], known["student"][dom]
             gaps.setdefault(dom, []).append(dev - stu)
             owners.setdefault(dom, set()).add(c)
+            pub = known.get("public", {})
+            on_public = "- | - | -" if str(c) not in pub.get("devices", {}) else \
+                f"{pub['devices'][str(c)]['all']:.4f} | {pub['student']['all']:.4f} | " \
+                f"{pub['devices'][str(c)]['all'] - pub['student']['all']:+.4f}"
             out.append(f"| {s if i == 0 else ''} | client{c} | {model} | {dom} ({mix[dom]:.2f}) | {dev:.4f} | "
-                       f"{stu:.4f} | {dev - stu:+.4f} |")
+                       f"{stu:.4f} | {dev - stu:+.4f} | {on_public} |")
     # where the teachers know their domain better than the student, does distillation (and VAA
     # beyond the logits) gain more there? The premise set beside what each method moved, per domain.
     out += ["", f"Per domain: the teachers' edge (device minus student above; negative: the device knows the domain "

@@ -366,6 +366,13 @@ def test_deepfusion_one_shot_end_to_end(tmp_path, monkeypatch):
     assert set(known["devices"]) == {str(c) for c in report["clients"]} and set(known["student"]) == {"med", "fin", "code"}
     dom = max(mixes[0], key=mixes[0].get)
     assert f"| {known['devices'][str(report['clients'][0])][dom]:.4f} | {known['student'][dom]:.4f} |" in page
+    # and on the public text the distillation runs on: each stream and all pooled, per character
+    public = known["public"]
+    assert set(public["student"]) == {"med", "fin", "code", "all"} and set(public["devices"]) == set(known["devices"])
+    assert min(public["student"].values()) <= public["student"]["all"] <= max(public["student"].values())
+    assert public["student"]["all"] != known["student"]["med"]  # not the test text again
+    c0 = str(report["clients"][0])
+    assert f"| {public['devices'][c0]['all']:.4f} | {public['student']['all']:.4f} |" in page
 
 
 def test_deepfusion_refuses_bad_settings_in_one_line(tmp_path, capsys):

@@ -47,11 +47,14 @@ def in_domain_scores(models: dict[int, nn.Module], server, seq_len: int) -> dict
     """Every device model's and the dense student's log perplexity per *character* (nats) on each
     domain's test text of the server: per character, so a device of another tokenizer (Gemma) reads
     the same text in its own tokens and still compares. {"devices": {client: {domain: nats/char}},
-    "student": {domain: nats/char}}; the report puts each device's own dominant domain beside it."""
+    "student": {domain: nats/char}, "public": the same on the public text distillation runs on}; the
+    report puts each device's own dominant domain beside it. The public text is the premise's own
+    ground: a teacher helps a student there only where it knows that text better (each public
+    stream scored up to the longest test stream's length, so the measure costs what the test's
+    does; its "all" pools the streams, nats over characters)."""
     student_tok = tokenizer_at(tokenizer_source(server.base))
-    out = {"devices": {}, "student": {}}
 
-    def score(model, domain_tokens, text_chars):
+    def nats(model, domain_tokens) -> float:
         own = tokenizer_source(model)
         tokens = retokenize(domain_tokens, student_tok, tokenizer_at(own)) \
             if reads_other_tokens(model, tokenizer_source(server.base)) else domain_tokens
@@ -62,10 +65,22 @@ def in_domain_scores(models: dict[int, nn.Module], server, seq_len: int) -> dict
                 nll, _, _ = split_token_stats(model.to(server.runtime.device), tokens, seq_len)
         finally:
             model.train(was)
-        return round(nll / text_chars, 6)
-    for domain, tokens in server.data.test.items():
-        chars = max(1, len(student_tok.decode(tokens.tolist())))
-        out["student"][domain] = score(server.base, tokens, chars)
-        for c, m in models.items():
-            out["devices"].setdefault(str(c), {})[domain] = score(m, tokens, chars)
+        return nll
+
+    def scores(streams: dict[str, torch.Tensor], pooled: bool) -> dict:
+        chars = {d: max(1, len(student_tok.decode(t.tolist()))) for d, t in streams.items()}
+        out = {"devices": {}, "student": {}}
+        for name, model in [("student", server.base), *((str(c), m) for c, m in models.items())]:
+            nll = {d: nats(model, t) for d, t in streams.items()}
+            row = {d: round(nll[d] / chars[d], 6) for d in streams}
+            if pooled:
+                row["all"] = round(sum(nll.values()) / sum(chars.values()), 6)
+            if name == "student":
+                out["student"] = row
+            else:
+                out["devices"][name] = row
+        return out
+    out = scores(server.data.test, pooled=False)
+    cap = max(len(t) for t in server.data.test.values())
+    out["public"] = scores({d: t[:cap] for d, t in server.data.public.items()}, pooled=True)
     return out

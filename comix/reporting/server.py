@@ -99,10 +99,17 @@ def server_section(page: Page, runs: dict[str, dict[int, Path]]) -> None:
                     if not (true and c in dev and true[i] in dev[c]):
                         return "- | -"
                     return f"{dev[c][true[i]]:.4f} | {stu[true[i]]:.4f}"
+                public = known.get("public", {})  # the same on the public text the distillation runs on
+
+                def knows_public(i):
+                    c = str(first.get("clients", range(len(first["devices"])))[i])
+                    if c not in public.get("devices", {}):
+                        return "- | -"
+                    return f"{public['devices'][c]['all']:.4f} | {public['student']['all']:.4f}"
                 page.md("| device | model | cluster | dominant true domain | its log ppl there (nats/char) | the "
-                        "student's |\n|---|---|---|---|---|---|\n" + "\n".join(
-                            f"| client{i} | {m} | {c} | {true[i] if true else '-'} | {knows(i)} |"
-                            for i, (m, c) in enumerate(zip(first["devices"], first["domains"]))))
+                        "student's | its log ppl on the public text | the student's |\n|---|---|---|---|---|---|---|---|\n"
+                        + "\n".join(f"| client{i} | {m} | {c} | {true[i] if true else '-'} | {knows(i)} | {knows_public(i)} |"
+                                     for i, (m, c) in enumerate(zip(first["devices"], first["domains"]))))
 
 
 def _true_domains(method_dir: Path, n: int) -> list[str] | None:
