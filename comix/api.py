@@ -191,6 +191,9 @@ def prepare(config=None, overrides=(), resume=None, default_name: str = "", meth
 
     if resume:
         run_dir = Path(resume)
+        if methods or seeds:  # silently running another grid than the one asked for would mislead
+            raise ValueError(f"--resume {run_dir} continues the grid it started (its config.yaml's methods and seeds); "
+                             f"drop {'--methods' if methods else '--seeds'}, or start a new run_dir for another grid")
         if not (run_dir / "config.yaml").exists():
             raise ValueError(f"--resume: {run_dir} holds no config.yaml (not a comix run directory)")
         cfg = load_config(str(run_dir / "config.yaml"), list(overrides))

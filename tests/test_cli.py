@@ -150,6 +150,10 @@ def test_compare_grid_tables_curves_and_skip(tmp_path, capsys):
     # a second invocation skips every finished run
     assert main(["compare", "--resume", str(run)]) == 0
     assert capsys.readouterr().err.count("done earlier") == 6
+    # a resumed grid is the one it started: --methods or --seeds beside --resume is one line, not ignored
+    for extra in (["--methods", "fedavg"], ["--seeds", "3"]):
+        assert main(["compare", "--resume", str(run), *extra]) == 2
+        assert f"drop {extra[0]}" in capsys.readouterr().err
 
 
 def test_method_spec_errors_name_the_option(tmp_path, capsys):
