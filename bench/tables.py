@@ -168,6 +168,15 @@ def ablation_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
         churn = [c for d in runs[m].values() for c in assignment_churn(_jsonl(d / "server.jsonl"))]
         churn_cell = f"{statistics.fmean(churn):.2f}" if churn and all(c == c for c in churn) else "-"
         rows.append(f"| {names.get(m, m)} | {_mean_std(list(by.values()))} | {per_seed} | {diff} | {churn_cell} |")
+    # the paper's gap to ``reference`` for some rows (case.json's "paper_gaps", points): the seeds
+    # this case's spread of the paired difference needs before a 95 % interval could resolve it
+    for m, gap in meta.get("paper_gaps", {}).items():
+        common = [s for s in seeds if s in score.get(m, {}) and s in score.get(ref, {})]
+        if len(common) > 1:
+            sd = statistics.stdev(score[m][s] - score[ref][s] for s in common)
+            rows += ["", f"The paper puts {names.get(ref, ref)} {gap:.2f} points ahead of {names.get(m, m)}; at this "
+                     f"case's spread of that difference (std {sd:.2f} over {len(common)} seeds), a 95 % interval "
+                     f"narrower than that gap needs {seeds_to_resolve(sd, gap)} seeds."]
     if majority:
         from comix.comparison import one_label_share
         shares = {m: [x for d in runs[m].values() if (x := one_label_share(_result(d))) is not None] for m in order}

@@ -39,6 +39,13 @@ def test_a_case_renders_paired_differences_and_a_stale_doc_is_caught(tmp_path, m
     # differences 1, 0.5, 2: mean 1.1667, sd 0.7638, half-width 4.303 * 0.7638 / sqrt(3) = 1.8975
     assert "| fedmole | 13.17 (2.09) | 11.00 / 12.50 / 16.00 | +1.17 [-0.73, +3.06] | - |" in out
     assert tables.paired_interval([1, 0.5, 2]) == pytest.approx((7 / 6, 4.303 * 0.763763 / 3 ** 0.5), rel=1e-4)
+    # the paper's gap (fedamole 1.5 points ahead of fedmole): at sd 0.7638, t(n-1) * 0.7638 / sqrt(n) < 1.5
+    # first at n = 4 (3.182 * 0.3819 = 1.215; n = 3 gives 1.90)
+    meta = json.loads((tmp_path / "results" / "c" / "case.json").read_text())
+    (tmp_path / "results" / "c" / "case.json").write_text(json.dumps({**meta, "paper_gaps": {"fedmole": 1.5}}))
+    assert "The paper puts fedamole 1.50 points ahead of fedmole; at this case's spread of that difference " \
+           "(std 0.76 over 3 seeds), a 95 % interval narrower than that gap needs 4 seeds." in tables.table("c")
+    (tmp_path / "results" / "c" / "case.json").write_text(json.dumps(meta))
     doc = tmp_path / "doc.md"
     doc.write_text("x\n<!-- table: c -->\nold\n<!-- end table -->\n")
     monkeypatch.setattr(tables, "DOCS", [doc])
