@@ -524,3 +524,40 @@ def test_a_captured_cohort_step_equals_the_eager_one(setup, precision):
     assert torch.allclose(results[0][0], results[1][0], rtol=1e-5)
     for a, b in zip(results[0][1], results[1][1]):
         assert _close(a, b, 1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_step_that_cannot_be_captured_runs_eagerly_on_the_stream_it_had(setup, monkeypatch, caplog):
+    """A step that reads a value back (a clip calling ``float``) breaks its capture: the step runs
+    eagerly to the captured run's result, the current stream is the one it had (torch.cuda.graph's
+    exit does not restore it when the capture broke), the first cause is logged, and the model's
+    next CohortStep does not try again."""
+    import copy
+    import comix.algorithms.cohort as cohort
+    from comix.algorithms.cohort import CohortMasters, CohortStep
+    _, stacked, _ = _stacked_pair(setup, None)
+    train = _train(lr=1e-3, grad_clip=0.5)
+    real = cohort.clip_per_client
+
+    def reads_back(grads, max_norm):
+        float(grads.norm())  # a host sync: no capture can hold it
+        real(grads, max_norm)
+    results = []
+    for broken in (False, True):
+        if broken:
+            monkeypatch.setattr(cohort, "clip_per_client", reads_back)
+        model = copy.deepcopy(stacked).cuda()
+        params = [p for p in model.parameters() if p.requires_grad]
+        masters = CohortMasters(params, torch.float32)
+        step = CohortStep(model, params, CohortAdamW(params, train, master=masters.of(params)), train, capture=True)
+        stream, g, ces = torch.cuda.current_stream(), torch.Generator().manual_seed(0), []
+        for _ in range(6):
+            x = torch.randint(0, 200, (4, 12), generator=g)
+            ces.append(step(x, torch.roll(x, -1, 1), [1e-3, 2e-3]))
+        assert torch.cuda.current_stream() == stream
+        results.append(torch.stack(ces).cpu())
+        assert step.captured != broken
+        if broken:
+            assert "could not be captured" in caplog.text and model._cohort_capture_failed
+            assert not CohortStep(model, params, step.opt, train, capture=True).capture
+    assert torch.allclose(results[0], results[1], rtol=1e-5)

@@ -596,7 +596,12 @@ def test_recipes_give_fedjets_devices_the_one_shot_devices_step_budget():
     assert len(recipes) == 15
     gemma = [p for p in recipes if "-gemma-" in p.name]
     assert [p.name for p in gemma] == ["cpu-qa-open-gemma-n4.yaml"]
-    assert set(load_config(str(gemma[0])).methods) == {"deepfusion", "deepfusion-ce", "fedkmt"}
+    two = load_config(str(gemma[0]))
+    # the one-shot KD methods and both controls (CE only, untrained teachers) on the same 3 seeds, on
+    # public text of the devices' own domains (the premise's ground), teachers trained long enough
+    assert set(two.methods) == {"deepfusion", "deepfusion-ce", "fedkmt", "deepfusion:device_steps=0"}
+    assert two.seeds == [42, 62, 82] and not two.data.public_corpus and two.data.public_frac > 0
+    assert two.train.local_steps >= 200
     # the alpha sweep: the KD methods, alpha chosen on the server's validation documents, trained
     # teachers and the untrained-teacher control, 3 seeds; at the paper's scale (a GPU job) the same
     # question with a second family (Gemma-3-270M) among the devices

@@ -176,6 +176,9 @@ def cohort_lm_losses(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torc
     ``y`` hold the clients' batches in client order (lm_loss, per client)."""
     device = model.get_input_embeddings().weight.device
     x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+    # the model's default use_cache stays: without a cache (and without a mask) transformers checks
+    # the position ids for packed sequences with a Python `if` on a tensor (masking_utils.py,
+    # find_packed_sequence_indices), a read-back that a CUDA graph cannot capture
     logits = model(input_ids=x).logits[:, -x.shape[1]:]
     ce = nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
     clients = clients_of(model)
@@ -220,6 +223,9 @@ class CohortStep:
     def __init__(self, model: nn.Module, params: list[nn.Parameter], opt: CohortAdamW, train: TrainConfig,
                  capture: bool = False):
         self.model, self.params, self.opt, self.train = model, params, opt, train
+        # a model whose step could not be captured once (a quantised base's outlier path reads a
+        # value back, bitsandbytes' int8) is not tried again each round
+        capture = capture and not getattr(model, "_cohort_capture_failed", False)
         self.capture, self.calls, self.graph, self.captured = capture, 0, None, False
         self.x = self.y = self.out = None
         self.device = opt.master.device
@@ -260,14 +266,21 @@ class CohortStep:
 
     def _capture(self) -> torch.Tensor:
         graph = torch.cuda.CUDAGraph()
+        current = torch.cuda.current_stream(self.device)
         try:
-            with torch.cuda.graph(graph):
+            # captured on the warm-ups' stream, of the model's device (the default capture stream is
+            # one per process, made on whichever device was current first)
+            with torch.cuda.graph(graph, stream=self.side):
                 self.out = _device_step(self.model, self.x, self.y, self.params, self.opt, self.train)
         except Exception as err:  # noqa: BLE001 (torch.compile's errors are not all RuntimeErrors)
+            # torch.cuda.graph's exit ends the capture before it restores the stream, and a broken
+            # capture makes that end raise too: the stream put back by hand, the first cause logged
+            torch.cuda.set_stream(current)
+            cause = err.__context__ or err
+            log.warning("a cohort step could not be captured as a CUDA graph (%s: %s); it runs eagerly from now on",
+                        type(cause).__name__, str(cause).splitlines()[0] if str(cause) else "")
+            self.capture, self.model._cohort_capture_failed = False, True
             # the step, recorded but not run, has changed nothing on the device: run it eagerly
-            log.warning("a cohort step could not be captured as a CUDA graph (%s: %s); the round runs eagerly",
-                        type(err).__name__, str(err).splitlines()[0] if str(err) else "")
-            self.capture = False
             return _device_step(self.model, self.x, self.y, self.params, self.opt, self.train)
         self.graph, self.captured = graph, True
         graph.replay()
@@ -365,6 +378,9 @@ def cohort_round(algorithm, model: nn.Module, members: list[CohortMember], conte
         losses, rows = _lockstep(algorithm, model, members, gens, contexts, step, routed, phase, masters)
     finally:  # a failed round too leaves the model's tensors fp32 (the masters) for whatever runs next
         del step  # the captured graph's memory, before the states are read
+        for m in model.modules():  # the routing a replay left in the graph's memory pool
+            if getattr(m, "last_routing", None) is not None:
+                m.last_routing = None
         masters.restore()
     per_client = torch.stack(losses).t().tolist()  # (C, steps): one device sync per round
     out = []

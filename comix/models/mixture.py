@@ -149,6 +149,8 @@ def _compiled_slot_hidden(frozen, delta, w, act):
     try:
         return _COMPILED(frozen, delta, w, act)
     except Exception as e:  # no C++ compiler / Triton here: the eager form from now on, said once
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise  # a CUDA-graph capture that failed (algorithms/cohort.py falls back), not the compiler
         import logging
         logging.getLogger("comix").warning("torch.compile of the mixture failed (%s); running it eagerly",
                                            str(e).splitlines()[0][:200])
