@@ -528,9 +528,10 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
             gaps.setdefault(dom, []).append(dev - stu)
             owners.setdefault(dom, set()).add(c)
             pub = known.get("public", {})
-            on_public = "- | - | -" if str(c) not in pub.get("devices", {}) else \
-                f"{pub['devices'][str(c)]['all']:.4f} | {pub['student']['all']:.4f} | " \
-                f"{pub['devices'][str(c)]['all'] - pub['student']['all']:+.4f}"
+            on_public = "- | - | -"
+            if str(c) in pub.get("devices", {}):
+                p_dev, p_stu = pub["devices"][str(c)]["all"], pub["student"]["all"]
+                on_public = f"{p_dev:.4f} | {p_stu:.4f} | {p_dev - p_stu:+.4f}"
             out.append(f"| {s if i == 0 else ''} | client{c} | {model} | {dom} ({mix[dom]:.2f}) | {dev:.4f} | "
                        f"{stu:.4f} | {dev - stu:+.4f} | {on_public} |")
     # where the teachers know their domain better than the student, does distillation (and VAA

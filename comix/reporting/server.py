@@ -94,18 +94,20 @@ def server_section(page: Page, runs: dict[str, dict[int, Path]]) -> None:
                 known = first.get("in_domain", {})  # nats per character on the device's own domain
                 dev, stu = known.get("devices", {}), known.get("student", {})
 
+                def client(i):
+                    return str(first.get("clients", range(len(first["devices"])))[i])
+
                 def knows(i):
-                    c = str(first.get("clients", range(len(first["devices"])))[i])
+                    c = client(i)
                     if not (true and c in dev and true[i] in dev[c]):
                         return "- | -"
                     return f"{dev[c][true[i]]:.4f} | {stu[true[i]]:.4f}"
                 public = known.get("public", {})  # the same on the public text the distillation runs on
 
                 def knows_public(i):
-                    c = str(first.get("clients", range(len(first["devices"])))[i])
-                    if c not in public.get("devices", {}):
+                    if client(i) not in public.get("devices", {}):
                         return "- | -"
-                    return f"{public['devices'][c]['all']:.4f} | {public['student']['all']:.4f}"
+                    return f"{public['devices'][client(i)]['all']:.4f} | {public['student']['all']:.4f}"
                 page.md("| device | model | cluster | dominant true domain | its log ppl there (nats/char) | the "
                         "student's | its log ppl on the public text | the student's |\n|---|---|---|---|---|---|---|---|\n"
                         + "\n".join(f"| client{i} | {m} | {c} | {true[i] if true else '-'} | {knows(i)} | {knows_public(i)} |"
