@@ -96,7 +96,11 @@ def _trivial(claim: Claim) -> tuple[str, dict[int, float]]:
 
 def verdict(claim: Claim) -> dict:
     scores = _scores(claim.case, claim.metric)
-    return judge(claim, scores.get(claim.a, {}), scores.get(claim.b, {}), *_trivial(claim))
+    out = judge(claim, scores.get(claim.a, {}), scores.get(claim.b, {}), *_trivial(claim))
+    partial = json.loads((RESULTS / _folder(claim.case) / "case.json").read_text()).get("partial")
+    if partial:  # a grid still running across sessions: what is in so far, never a verdict
+        out["verdict"] = f"partial case ({partial}): {out['verdict']}"
+    return out
 
 
 def judge(claim: Claim, a: dict[int, float], b: dict[int, float], trivial_name: str, trivial: dict[int, float]) -> dict:

@@ -4,6 +4,7 @@ import importlib.util
 import json
 import lzma
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -45,7 +46,11 @@ def test_a_case_renders_paired_differences_and_a_stale_doc_is_caught(tmp_path, m
     (tmp_path / "results" / "c" / "case.json").write_text(json.dumps({**meta, "paper_gaps": {"fedmole": 1.5}}))
     assert "The paper puts fedamole 1.50 points ahead of fedmole; at this case's spread of that difference " \
            "(std 0.76 over 3 seeds), a 95 % interval narrower than that gap needs 4 seeds." in tables.table("c")
+    # a grid saved before its seeds are all in says so above its table, and is not read
+    (tmp_path / "results" / "c" / "case.json").write_text(json.dumps({**meta, "partial": "seed 1 of 1, 2, 3"}))
+    assert tables.table("c").startswith("**Partial case, not to be read yet**: seed 1 of 1, 2, 3.")
     (tmp_path / "results" / "c" / "case.json").write_text(json.dumps(meta))
+    assert "Partial" not in tables.table("c")
     doc = tmp_path / "doc.md"
     doc.write_text("x\n<!-- table: c -->\nold\n<!-- end table -->\n")
     monkeypatch.setattr(tables, "DOCS", [doc])
@@ -376,6 +381,23 @@ def test_a_tie_that_excludes_the_papers_gap_is_not_reproduced_only_in_the_same_u
     assert page.judge(same, a, b, "base", {}).get("verdict").startswith("not reproduced")
     other = page.Claim("P", "s", "a", "b", 3.97, 3.99, "case", False, "x")
     assert page.judge(other, a, b, "base", {})["verdict"] == "unresolved: the interval holds 0"
+
+
+def test_a_partial_case_gives_what_is_in_so_far_and_never_a_bare_verdict(tmp_path, monkeypatch):
+    page = _results_page()
+    results = tmp_path / "results"
+    monkeypatch.setattr(page, "RESULTS", results)
+    monkeypatch.setattr(sys.modules["tables"], "RESULTS", results)  # load_case's folder
+    for m, x in {"a": 60.0, "b": 55.0}.items():
+        d = results / "c" / "seed42" / m
+        d.mkdir(parents=True)
+        (d / "results.json").write_text(json.dumps({"method": m, "mean": x, "per_user": {"u0": {"acc": x}}}))
+    meta = {"kind": "ablation", "command": "cmd", "machine": "m", "date": "d"}
+    (results / "c" / "case.json").write_text(json.dumps(meta))
+    claim = page.Claim("P", "s", "a", "b", 2.0, 1.0, "c", True, "mean")
+    assert page.verdict(claim)["verdict"] == "agrees in direction (one seed: no interval)"
+    (results / "c" / "case.json").write_text(json.dumps({**meta, "partial": "seed 42 of 42, 62, 82"}))
+    assert page.verdict(claim)["verdict"] == "partial case (seed 42 of 42, 62, 82): agrees in direction (one seed: no interval)"
 
 
 def test_saving_a_case_again_keeps_its_notes(tmp_path, monkeypatch):
