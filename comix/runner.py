@@ -4,6 +4,7 @@ building an algorithm from a config live one layer below, in ``specs.py``."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import yaml
@@ -199,9 +200,18 @@ def run_spec(cfg, spec: str, seed: int, out: Path, model, users, console, server
 
         def phase(name, done, total):  # inside a round: clients trained, distillation steps, ...
             bar.update(task, info=f"{name} {done}/{total}")
+            if done == total and not console.is_terminal:  # piped (a log file): one line a finished phase
+                bar.console.log(f"{label} {name} {done}/{total}")
 
         from .progress import listen
         listen(phase)
+        # what the methods log (DeepFusion's clusters and the premise, a cohort's fallback) into the
+        # same console, so a run's log file says what a multi-hour round is doing
+        to_console, logger = _ConsoleHandler(bar.console, label), logging.getLogger("comix")
+        level = logger.level
+        logger.addHandler(to_console)
+        if logger.getEffectiveLevel() > logging.INFO:
+            logger.setLevel(logging.INFO)
         try:
             res = run_method(algo, model, users, out, seed=seed, resume=True, offload=mcfg.offload,
                              progress=progress, keep_checkpoints=mcfg.keep_checkpoints,
@@ -209,7 +219,20 @@ def run_spec(cfg, spec: str, seed: int, out: Path, model, users, console, server
                              server_data=server_data)
         finally:
             listen(None)
+            logger.removeHandler(to_console)
+            logger.setLevel(level)
         bar.update(task, completed=bar.tasks[0].total)
     return res
 
 
+
+
+class _ConsoleHandler(logging.Handler):
+    """comix's INFO lines and above onto a run's console, each under its method's label."""
+
+    def __init__(self, console, label: str):
+        super().__init__(logging.INFO)
+        self.console, self.label = console, label
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.console.log(f"{self.label} {record.getMessage()}")

@@ -24,13 +24,26 @@ TINY = ["model=tiny-llama", "train.rounds=2", "train.local_steps=2", "train.batc
         "data.valid_tokens=512", "train.eval_splits=[valid,test]"]
 
 
-def test_cli_runs_comigs_end_to_end_on_user_folders(tmp_path, capsys):
+def test_cli_runs_comigs_end_to_end_on_user_folders(tmp_path, capsys, monkeypatch):
+    import logging
+
+    from comix.engines import inprocess
+    from comix.progress import step
+
+    def noted_step(*args):  # a method's INFO line, as DeepFusion logs its clusters and premise
+        logging.getLogger("comix.test").info("a method's note")
+        step(*args)
+    monkeypatch.setattr(inprocess, "phase_step", noted_step)
     data = _user_dirs(tmp_path / "data")
     run = tmp_path / "run"
     args = ["run", f"corpus={data}", f"run_dir={run}", "methods=[pretrained,local,comigs-1g1s]", *TINY]
     assert main(args) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "| comigs-1g1s |" in out and "| pretrained |" in out and "alice" in out
+    # piped (no terminal, as under nohup): a finished phase and the methods' INFO lines reach the log
+    assert "comigs-1g1s round 2: clients trained 3/3" in " ".join(err.split())
+    assert "comigs-1g1s a method's note" in " ".join(err.split())
+    assert logging.getLogger("comix").level == logging.NOTSET and not logging.getLogger("comix").handlers
     results = json.loads((run / "results.json").read_text())
     assert [r["method"] for r in results] == ["pretrained", "local", "comigs-1g1s"]
     rows = [json.loads(x) for x in (run / "comigs-1g1s" / "metrics.jsonl").read_text().splitlines()]

@@ -295,7 +295,7 @@ DF = ["model=tiny-llama", "train.rounds=1", "train.local_steps=2", "train.batch_
       "deepfusion.devices=[base,prune:2:32,random-gpt2:2:64,random-qwen2:2:64]"]
 
 
-def test_deepfusion_one_shot_end_to_end(tmp_path, monkeypatch):
+def test_deepfusion_one_shot_end_to_end(tmp_path, monkeypatch, capsys):
     """Each device sends exactly once, only its own trained model and its data embedding; the
     server's global MoE is a transformers Mixtral scored on the server's test data by domain."""
     from comix.algorithms.deepfusion import DeepFusion
@@ -373,6 +373,10 @@ def test_deepfusion_one_shot_end_to_end(tmp_path, monkeypatch):
     assert public["student"]["all"] != known["student"]["med"]  # not the test text again
     c0 = str(report["clients"][0])
     assert f"| {public['devices'][c0]['all']:.4f} | {public['student']['all']:.4f} |" in page
+    # and in the run's log as soon as it is measured, before the distillation (server.jsonl has it after)
+    log = " ".join(capsys.readouterr().err.split())
+    assert f"public text, nats/char pooled: student {public['student']['all']:.4f}" in log
+    assert log.index("nats/char pooled") < log.index("domain 0 distilled")
 
 
 def test_deepfusion_refuses_bad_settings_in_one_line(tmp_path, capsys):

@@ -3,6 +3,8 @@ here changes a model): how much each KD term steers the student, and what the de
 know of each domain next to the student they teach (the premise of distillation)."""
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -83,4 +85,8 @@ def in_domain_scores(models: dict[int, nn.Module], server, seq_len: int) -> dict
     out = scores(server.data.test, pooled=False)
     cap = max(len(t) for t in server.data.test.values())
     out["public"] = scores({d: t[:cap] for d, t in server.data.public.items()}, pooled=True)
+    # logged at once, before the distillation it decides is worth running (server.jsonl has it only after)
+    logging.getLogger("comix.deepfusion").info(
+        "public text, nats/char pooled: student %.4f, devices %s", out["public"]["student"]["all"],
+        {c: row["all"] for c, row in out["public"]["devices"].items()})
     return out
