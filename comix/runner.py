@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 
 import yaml
@@ -198,9 +199,13 @@ def run_spec(cfg, spec: str, seed: int, out: Path, model, users, console, server
             bar.update(task, completed=p["round"], info=info)
             bar.console.log(f"{label} {info} ({p['seconds']:.0f}s)")
 
+        logged = [_clock()]
+
         def phase(name, done, total):  # inside a round: clients trained, distillation steps, ...
             bar.update(task, info=f"{name} {done}/{total}")
-            if done == total and not console.is_terminal:  # piped (a log file): one line a finished phase
+            # piped (a log file, no bar): a line when a phase ends, and at most one a minute within it
+            if not console.is_terminal and (done == total or _clock() - logged[0] >= 60):
+                logged[0] = _clock()
                 bar.console.log(f"{label} {name} {done}/{total}")
 
         from .progress import listen
@@ -225,6 +230,9 @@ def run_spec(cfg, spec: str, seed: int, out: Path, model, users, console, server
     return res
 
 
+
+
+_clock = time.monotonic  # the phase lines' clock (a test steps it)
 
 
 class _ConsoleHandler(logging.Handler):

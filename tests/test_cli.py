@@ -34,6 +34,9 @@ def test_cli_runs_comigs_end_to_end_on_user_folders(tmp_path, capsys, monkeypatc
         logging.getLogger("comix.test").info("a method's note")
         step(*args)
     monkeypatch.setattr(inprocess, "phase_step", noted_step)
+    from comix import runner
+    clock = iter(range(0, 10**6, 30))  # 30 s between the phase's calls: a line every other one
+    monkeypatch.setattr(runner, "_clock", lambda: next(clock))
     data = _user_dirs(tmp_path / "data")
     run = tmp_path / "run"
     args = ["run", f"corpus={data}", f"run_dir={run}", "methods=[pretrained,local,comigs-1g1s]", *TINY]
@@ -42,6 +45,9 @@ def test_cli_runs_comigs_end_to_end_on_user_folders(tmp_path, capsys, monkeypatc
     assert "| comigs-1g1s |" in out and "| pretrained |" in out and "alice" in out
     # piped (no terminal, as under nohup): a finished phase and the methods' INFO lines reach the log
     assert "comigs-1g1s round 2: clients trained 3/3" in " ".join(err.split())
+    mid = [line for line in err.splitlines() if "comigs-1g1s round" in line and "clients trained" in line
+           and "3/3" not in line]
+    assert len(mid) == 2  # a minute apart within a phase (2/3 of each round), not a line a client
     assert "comigs-1g1s a method's note" in " ".join(err.split())
     assert logging.getLogger("comix").level == logging.NOTSET and not logging.getLogger("comix").handlers
     results = json.loads((run / "results.json").read_text())
