@@ -230,8 +230,6 @@ def run_spec(cfg, spec: str, seed: int, out: Path, model, users, console, server
     return res
 
 
-
-
 _clock = time.monotonic  # the phase lines' clock (a test steps it)
 
 
