@@ -273,8 +273,7 @@ class DeepFusion(Algorithm):
                 kd_log[-1] = self.distill(student, [(t.to(ctx.runtime.device), w) for t, w in teachers], public, gen)
                 finished.save(key, domain, student, kd_log[-1], gen)
             dense.append(offload(student))
-            means = {k: v for k, v in kd_log[-1].items() if isinstance(v, float)}  # not the per-step lists
-            log.info("%s: domain %d distilled %s", self.name, domain, means)
+            log.info("%s: domain %d distilled (%.0f s; its terms in server.jsonl)", self.name, domain, kd_log[-1].get("seconds", 0))
         seconds["distill"], t0 = time.perf_counter() - t0, time.perf_counter()
         moe = upcycle(dense, top_k=self.top_k, seed=ctx.seed, aux_loss_coef=self.aux_loss_coef)  # Sec. IV-D
         del dense
@@ -368,8 +367,9 @@ class DeepFusion(Algorithm):
             shares = {ti: sum(v) / len(v) for ti, v in aligned.items()}
             out["aligned_share"] = round(sum(shares.values()) / len(shares), 4)
             out["aligned_share_per_teacher"] = {str(ti): round(v, 4) for ti, v in shares.items()}
-            log.info("cross-tokenizer teachers: share of student steps aligned one-to-one: %s",
-                     ", ".join(f"teacher {ti} {v:.1%}" for ti, v in shares.items()))
+            logging.getLogger("comix.deepfusion").info(  # not ``log``: here that name is the steps' log
+                "cross-tokenizer teachers: share of student steps aligned one-to-one: %s",
+                ", ".join(f"teacher {ti} {v:.1%}" for ti, v in shares.items()))
         return out
 
     def _aligner(self, teacher: nn.Module, student: nn.Module) -> CrossTokenizerTeacher | None:
