@@ -199,13 +199,14 @@ def run_spec(cfg, spec: str, seed: int, out: Path, model, users, console, server
             bar.update(task, completed=p["round"], info=info)
             bar.console.log(f"{label} {info} ({p['seconds']:.0f}s)")
 
-        logged = [_clock()]
+        last_line = _clock()
 
         def phase(name, done, total):  # inside a round: clients trained, distillation steps, ...
             bar.update(task, info=f"{name} {done}/{total}")
             # piped (a log file, no bar): a line when a phase ends, and at most one a minute within it
-            if not console.is_terminal and (done == total or _clock() - logged[0] >= 60):
-                logged[0] = _clock()
+            nonlocal last_line
+            if not console.is_terminal and (done == total or _clock() - last_line >= 60):
+                last_line = _clock()
                 bar.console.log(f"{label} {name} {done}/{total}")
 
         from .progress import listen
