@@ -510,10 +510,12 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
     mixtures = json.loads(partition.read_text()) if partition.exists() else {}
     out += ["", "The premise: each device's log perplexity per character (nats) on its own dominant domain against "
             "the student's before distillation (lower is better), and the same on the public text the distillation "
-            "runs on (all its streams pooled; '-' where the run did not measure it):", "",
+            "runs on: its own domain's public stream, where a teacher must know more than the student for KD to "
+            "help, and all streams pooled ('-' where the run did not measure it):", "",
             "| seed | device | model | dominant domain (share) | device | student | device minus student | "
-            "public text: device | student | device minus student |",
-            "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
+            "public text of that domain: device | student | device minus student | public text pooled: device "
+            "minus student |",
+            "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     gaps: dict[str, list[float]] = {d: [] for d in domains}  # device minus student on its own domain
     owners: dict[str, set[int]] = {d: set() for d in domains}  # the devices dominant in it (one partition)
     for s in seeds:
@@ -528,10 +530,10 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
             gaps.setdefault(dom, []).append(dev - stu)
             owners.setdefault(dom, set()).add(c)
             pub = known.get("public", {})
-            on_public = "- | - | -"
-            if str(c) in pub.get("devices", {}):
-                p_dev, p_stu = pub["devices"][str(c)]["all"], pub["student"]["all"]
-                on_public = f"{p_dev:.4f} | {p_stu:.4f} | {p_dev - p_stu:+.4f}"
+            p_dev, p_stu = pub.get("devices", {}).get(str(c), {}), pub.get("student", {})
+            on_public = f"{p_dev[dom]:.4f} | {p_stu[dom]:.4f} | {p_dev[dom] - p_stu[dom]:+.4f}" \
+                if dom in p_dev else "- | - | -"
+            on_public += f" | {p_dev['all'] - p_stu['all']:+.4f}" if "all" in p_dev else " | -"
             out.append(f"| {s if i == 0 else ''} | client{c} | {model} | {dom} ({mix[dom]:.2f}) | {dev:.4f} | "
                        f"{stu:.4f} | {dev - stu:+.4f} | {on_public} |")
     # where the teachers know their domain better than the student, does distillation (and VAA

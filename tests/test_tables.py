@@ -89,7 +89,8 @@ def test_deepfusion_case_chooses_vaa_s_weight_on_validation_and_pairs_against_fe
                 fh.write(json.dumps({"kd": [{"grad": grad, "steps": steps[m]}], "clients": [0, 1], "devices": ["base", "prune:2:32"],
                                      "in_domain": {"devices": {"0": {"a": 1.0, "b": 2.0}, "1": {"a": 1.5, "b": 0.4 + seed / 10}},
                                                    "student": {"a": 1.25, "b": 1.0},
-                                                   "public": {"devices": {"0": {"all": 2.0 + seed}}, "student": {"all": 2.5}}}})
+                                                   "public": {"devices": {"0": {"a": 0.5, "all": 2.0 + seed}},
+                                                              "student": {"a": 1.5, "all": 2.5}}}})
                          + "\n")
     (case / "partition.json").write_text(json.dumps({"client0": {"mixture": {"a": 0.9, "b": 0.1}},
                                                      "client1": {"mixture": {"a": 0.2, "b": 0.8}}}))
@@ -111,9 +112,9 @@ def test_deepfusion_case_chooses_vaa_s_weight_on_validation_and_pairs_against_fe
            "FedKMT (Table I, open-ended QA): 107 for its N = 32 edge (0.011 nats), 32 for its N = 16 edge (0.021 nats)." in out
     assert "| dense base (before distillation) | 9.000 (0.000) | 9.000 (0.000) | 9.000 (0.000) | - | 9.500 (0.000) |" in out
     assert "| fedkmt | 3.100 (0.082) | 4.100 (0.082) | 3.600 (0.082) | 1.00 (0.00) | 4.600 (0.082) |" in out
-    # beside it the premise on the public text (pooled), where the run measured it
-    assert "| 1 | client0 | base | a (0.90) | 1.0000 | 1.2500 | -0.2500 | 3.0000 | 2.5000 | +0.5000 |" in out
-    assert "|  | client1 | prune:2:32 | b (0.80) | 0.5000 | 1.0000 | -0.5000 | - | - | - |" in out
+    # beside it the premise on the public text, its own domain's stream (a) and pooled, where the run measured it
+    assert "| 1 | client0 | base | a (0.90) | 1.0000 | 1.2500 | -0.2500 | 0.5000 | 1.5000 | -1.0000 | +0.5000 |" in out
+    assert "|  | client1 | prune:2:32 | b (0.80) | 0.5000 | 1.0000 | -0.5000 | - | - | - | - |" in out
     # per domain: the teachers' edge over the seeds (b: -0.5, -0.4, -0.3) beside FedKMT minus the base
     # (3.1 - 9 on a, 4.1 - 9 on b) and the chosen spec minus FedKMT
     # (one device dominant in each domain, counted once however many seeds ran it)
