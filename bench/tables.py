@@ -450,9 +450,15 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
 
     # on the seeds every swept spec ran (a sweep may run on one seed, the chosen spec on all)
     shared = sorted(set.intersection(*(set(res[m]) for m in sweep)))
-    chosen = min(sweep, key=lambda m: statistics.fmean(score(res[m][s], "valid") for s in shared))
-    out = [f"Chosen on the server's validation documents: {names.get(chosen, chosen)} (the lowest mean validation "
-           f"{what} over seed{'s' if len(shared) > 1 else ''} {', '.join(map(str, shared))}; test played no part).", "",
+    valid = all(f"valid_{key}" in r["per_user"][d] for m in sweep for r in res[m].values() for d in domains)
+    if len(sweep) == 1:  # one DeepFusion spec, its weight fixed before the run: nothing to choose
+        chosen = sweep[0]
+        said = f"One DeepFusion spec, {names.get(chosen, chosen)}, fixed before the run (no sweep, nothing chosen)."
+    else:
+        chosen = min(sweep, key=lambda m: statistics.fmean(score(res[m][s], "valid") for s in shared))
+        said = (f"Chosen on the server's validation documents: {names.get(chosen, chosen)} (the lowest mean validation "
+                f"{what} over seed{'s' if len(shared) > 1 else ''} {', '.join(map(str, shared))}; test played no part).")
+    out = [said, "",
            f"| swept | validation {what}, mean (std) | test {what}, mean (std) | feature term's share of the "
            f"student's gradient | cosine of its gradient with CE + KL's | KD's CE minus {names.get(ref, ref)}'s on "
            "the same batches, first / last fifth of the steps | KL minus its, first / last fifth | feature loss FM, "
@@ -461,8 +467,8 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
     grads = {m: grad(m) for m in sweep}  # server.jsonl read once a spec: the last table uses the shares again
     for m in sweep:
         share, cos = grads[m]
-        out.append(f"| {label(m)}{' (chosen)' if m == chosen else ''} | "
-                   f"{_mean_std([score(r, 'valid') for r in res[m].values()], 3)} | "
+        on_valid = _mean_std([score(r, "valid") for r in res[m].values()], 3) if valid else "-"
+        out.append(f"| {label(m)}{' (chosen)' if m == chosen and len(sweep) > 1 else ''} | {on_valid} | "
                    f"{_mean_std([score(r) for r in res[m].values()], 3)} | "
                    f"{'-' if share is None else f'{share:.3f}'} | {'-' if cos is None else f'{cos:+.3f}'} | "
                    + " / ".join(fifths(m, "ce")) + " | " + " / ".join(fifths(m, "kl")) + " | "

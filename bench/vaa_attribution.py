@@ -4,7 +4,7 @@
     python bench/vaa_attribution.py --teacher ... --steps 100 --runs 10:1e-3 10:1e-4 \
         --out bench/results/vaa-attribution-long.json    # a whole domain's KD steps: does the student catch up?
 
-In the alpha sweep (docs/deepfusion.md) the feature loss FM fell along the same curve at alpha = 10
+In the alpha sweep (docs/deepfusion-cases.md) the feature loss FM fell along the same curve at alpha = 10
 and alpha = 100, while CE paid five times more at 100: the student's extra pull bought no closer
 match. This bench takes one trained device from the DeepFusion device cache as the teacher, the
 dense SmolLM2-135M as the student and the server's public text (the built-in literature corpus),
@@ -20,7 +20,7 @@ batches of the same text drawn by a generator of their own (held out as batches;
 overlap a training batch's), FM under the final VAA with the final student and
 with the starting one says how much of the student's per-batch progress stayed. Each run starts
 from the same student, VAA and batches. Writes ``bench/results/vaa-attribution.json``, which
-``python bench/tables.py`` turns into the table in docs/deepfusion.md.
+``python bench/tables.py`` turns into the table in docs/deepfusion-cases.md.
 """
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--out", type=Path, default=OUT, help=f"the result file (default {OUT.relative_to(OUT.parents[2])}; "
-                    "bench/results/vaa-attribution-long.json is the long runs' table in docs/deepfusion.md)")
+                    "bench/results/vaa-attribution-long.json is the long runs' table in docs/deepfusion-cases.md)")
     args = ap.parse_args()
     if not args.out.parent.is_dir():
         raise SystemExit(f"--out {args.out}: no such folder {args.out.parent}")

@@ -174,7 +174,7 @@ DEEPFUSION_CASES = {"qa-choice": "multiple-choice QA over 5 domains (MMedBench's
 
 
 def alpha_sweep(hetero: dict, kd_steps: int, alphas: tuple[float, ...]) -> dict:
-    """DeepFusion's central idea put to the test (docs/deepfusion.md): teachers trained 200 steps
+    """DeepFusion's central idea put to the test (docs/deepfusion-cases.md): teachers trained 200 steps
     or more (long enough to know their domains better than the student), VAA's weight alpha swept
     and chosen on the server's own held-out validation documents (never test), the untrained-teacher
     control, FedKMT and CE-only as the paper's baselines, 3 seeds for paired intervals."""
@@ -182,7 +182,7 @@ def alpha_sweep(hetero: dict, kd_steps: int, alphas: tuple[float, ...]) -> dict:
     # FedKMT first: it trains the devices the others read from the device cache. Beside the alphas,
     # VAA at the student's own lr (the paper trains the two jointly and gives one lr; comix's
     # feature_lr default is 10x it): with the slower adapter the student's own updates carry more of
-    # the feature match into it (bench/vaa_attribution.py, docs/deepfusion.md)
+    # the feature match into it (bench/vaa_attribution.py, docs/deepfusion-cases.md)
     kd_lr = sweep["deepfusion"].get("kd_lr", 1e-4)
     sweep["methods"] = ["fedkmt", *(f"deepfusion:alpha={a}" for a in alphas), f"deepfusion:alpha=10.0,feature_lr={kd_lr}",
                         "deepfusion-ce", "deepfusion:device_steps=0"]

@@ -133,6 +133,20 @@ def test_deepfusion_case_chooses_vaa_s_weight_on_validation_and_pairs_against_fe
     assert "| deepfusion:alpha=1.0 (seeds 1, 2) | 2.950 (0.050) |" in out.split("per domain")[1]
     assert "| deepfusion:alpha=1.0 (seeds 1, 2) | -0.150 [" in out
     assert "| fedkmt | 3.100 (0.082) |" in out  # on every seed: no label
+    # one DeepFusion spec and no validation documents (a case without a sweep): nothing is chosen,
+    # the validation cell says it was not measured, and the spec still stands in every table
+    meta = json.loads((case / "case.json").read_text())
+    (case / "case.json").write_text(json.dumps({**meta, "sweep": ["deepfusion:alpha=1.0"],
+                                                "order": ["fedkmt", "deepfusion:alpha=1.0"]}))
+    shutil.rmtree(case / "seed1" / "deepfusion:alpha=10.0")
+    for r in case.glob("seed*/*/results.json"):
+        got = json.loads(r.read_text())
+        got["per_user"] = {d: {k: v for k, v in row.items() if not k.startswith("valid_")} for d, row in got["per_user"].items()}
+        r.write_text(json.dumps(got))
+    out = tables.table("df")
+    assert out.startswith("One DeepFusion spec, deepfusion:alpha=1.0, fixed before the run (no sweep, nothing chosen).")
+    assert "| deepfusion:alpha=1.0 (seeds 1, 2) | - | 3.450 (0.050) | 0.250 |" in out
+    assert "(chosen)" not in out and "| deepfusion:alpha=1.0 (seeds 1, 2) | -0.150 [" in out
 
 
 def test_seeds_to_resolve_is_the_first_seed_count_whose_t_interval_is_narrower_than_the_margin():
