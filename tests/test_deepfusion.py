@@ -957,6 +957,46 @@ def test_the_dense_base_is_scored_once_per_process_and_again_when_anything_it_re
     assert len([m for m, p in calls if p == "test_base"]) == 3 * n
 
 
+def test_the_premise_is_measured_once_per_process_and_again_when_anything_it_reads_changes(tmp_path, monkeypatch):
+    """FedKMT, DeepFusion and CE only read the same cached devices and student: the premise (every
+    model scored on test and public text) is measured once per process, keyed by the student's and
+    each device's weights, the data and the window; a caller's copy is its own."""
+    import copy
+    from types import SimpleNamespace
+
+    import comix.algorithms.deepfusion_measures as dm
+    from comix.data import load_corpus
+    from comix.data.splits import SplitConfig, make_server_data
+    from comix.models import load_base_model
+    from comix.runtime import Runtime
+    base, tok = load_base_model("tiny-llama")
+    server = make_server_data(load_corpus(str(_domains(tmp_path / "data"))), tok, SplitConfig(public_frac=0.34))
+    device = copy.deepcopy(base)
+    with torch.no_grad():
+        next(device.parameters()).add_(0.05)
+    calls, real = [], dm.split_token_stats
+    monkeypatch.setattr(dm, "split_token_stats", lambda m, *a: calls.append(m) or real(m, *a))
+    monkeypatch.setattr(dm, "_PREMISES", {})
+    ctx = SimpleNamespace(data=server, base=base, runtime=Runtime())
+    per_measure = 2 * 2 * len(server.test)  # student and one device, on test and public streams
+    first = dm.in_domain_scores({0: device}, ctx, 16)
+    assert len(calls) == per_measure and first["devices"]["0"] != first["student"]
+    first["student"]["med"] = -1.0  # a caller's edit does not reach the next caller
+    second = dm.in_domain_scores({0: device}, ctx, 16)
+    assert len(calls) == per_measure and second["student"]["med"] != -1.0
+    assert second["devices"] == first["devices"] and second["public"] == first["public"]
+    # another device's weights (untrained teachers), another client id, another student, another window
+    moved = copy.deepcopy(device)
+    with torch.no_grad():
+        next(moved.parameters()).add_(0.05)
+    third = dm.in_domain_scores({0: moved}, ctx, 16)
+    assert len(calls) == 2 * per_measure and third["devices"]["0"] != second["devices"]["0"]
+    assert set(dm.in_domain_scores({1: device}, ctx, 16)["devices"]) == {"1"} and len(calls) == 3 * per_measure
+    dm.in_domain_scores({0: device}, SimpleNamespace(data=server, base=moved, runtime=Runtime()), 16)
+    dm.in_domain_scores({0: device}, ctx, 32)
+    assert len(calls) == 5 * per_measure
+
+
 def _contains(seq: list[int], window: list[int]) -> bool:
     return any(seq[i:i + len(window)] == window for i in range(len(seq) - len(window) + 1))
 

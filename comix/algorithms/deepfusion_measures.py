@@ -3,6 +3,9 @@ here changes a model): how much each KD term steers the student, and what the de
 know of each domain next to the student they teach (the premise of distillation)."""
 from __future__ import annotations
 
+import copy
+import hashlib
+import json
 import logging
 
 import torch
@@ -12,6 +15,8 @@ from torch import nn
 from ..eval.perplexity import split_token_stats
 from ..models.base import tokenizer_source
 from ..models.token_align import reads_other_tokens, retokenize, tokenizer_at
+from ..runtime import to_cpu
+from .global_moe import tensors_digest
 
 
 def gradient_shares(parts: dict[str, torch.Tensor], params: list[nn.Parameter], log: dict, step: int,
@@ -42,6 +47,24 @@ def gradient_shares(parts: dict[str, torch.Tensor], params: list[nn.Parameter], 
     rest = sum(v for k, v in flat.items() if k != "fm" and v is not None)
     cos = float(F.cosine_similarity(flat["fm"], rest, dim=0)) if flat["fm"] is not None and norms["fm"] else 0.0
     log["cos_fm_rest"].append(round(cos, 6))
+
+
+# The premise by a digest of all it reads: FedKMT, DeepFusion and CE only of one comparison read the same
+# cached devices and student (scoring 4 teachers took 8 min a method on the 2-core EPYC, Gemma-3-270M
+# devices), so a process measures it once; untrained teachers (device_steps=0) are other weights: measured.
+_PREMISES: dict[str, dict] = {}
+
+
+def _premise_key(models: dict[int, nn.Module], server, seq_len: int) -> str:
+    h = hashlib.sha256(b"deepfusion-premise-v1")
+    for name, model in [("student", server.base), *sorted(models.items())]:
+        h.update(f"{name}/{tokenizer_source(model)}".encode())
+        h.update(tensors_digest(to_cpu(model.state_dict())).encode())
+    h.update(json.dumps([seq_len, str(server.runtime.device), server.runtime.precision]).encode())
+    for split in (server.data.test, server.data.public):
+        for domain, tokens in split.items():
+            h.update(domain.encode() + b"/" + tokens.numpy().tobytes())
+    return h.hexdigest()
 
 
 @torch.no_grad()
@@ -82,9 +105,13 @@ def in_domain_scores(models: dict[int, nn.Module], server, seq_len: int) -> dict
             else:
                 out["devices"][name] = row
         return out
-    out = scores(server.data.test, pooled=False)
-    cap = max(len(t) for t in server.data.test.values())
-    out["public"] = scores({d: t[:cap] for d, t in server.data.public.items()}, pooled=True)
+    key = _premise_key(models, server, seq_len)
+    if key not in _PREMISES:
+        out = scores(server.data.test, pooled=False)
+        cap = max(len(t) for t in server.data.test.values())
+        out["public"] = scores({d: t[:cap] for d, t in server.data.public.items()}, pooled=True)
+        _PREMISES[key] = out
+    out = copy.deepcopy(_PREMISES[key])  # the caller's copy goes into its own server.jsonl
     # logged at once, before the distillation it decides is worth running (server.jsonl has it only after)
     logging.getLogger("comix.deepfusion").info(
         "public text, nats/char pooled: student %.4f, devices %s", out["public"]["student"]["all"],
