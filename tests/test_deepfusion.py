@@ -922,23 +922,28 @@ def test_the_server_s_validation_documents_are_its_own_held_out_public_ones_and_
         SplitConfig(server_valid_docs=2)
 
 
+def _server_base_and_moved(root):
+    """Server data of the three test domains, the tiny base and a copy of it with one weight moved."""
+    from comix.data import load_corpus
+    from comix.data.splits import SplitConfig, make_server_data
+    from comix.models import load_base_model
+    base, tok = load_base_model("tiny-llama")
+    server = make_server_data(load_corpus(str(_domains(root))), tok, SplitConfig(public_frac=0.34))
+    moved = copy.deepcopy(base)
+    with torch.no_grad():
+        next(moved.parameters()).add_(0.05)
+    return server, base, moved
+
+
 def test_the_dense_base_is_scored_once_per_process_and_again_when_anything_it_reads_changes(tmp_path, monkeypatch):
     """Every method of a comparison scores the same dense base beside its global model: the base's
     rows are computed once per process, keyed by its weights, the test data and the settings."""
-    import copy
     from types import SimpleNamespace
 
     import comix.algorithms.global_moe as gm
     from comix.algorithms.training import TrainConfig
-    from comix.data import load_corpus
-    from comix.data.splits import SplitConfig, make_server_data
-    from comix.models import load_base_model
     from comix.runtime import Runtime
-    base, tok = load_base_model("tiny-llama")
-    server = make_server_data(load_corpus(str(_domains(tmp_path / "data"))), tok, SplitConfig(public_frac=0.34))
-    other = copy.deepcopy(base)
-    with torch.no_grad():
-        next(other.parameters()).add_(0.05)
+    server, base, other = _server_base_and_moved(tmp_path / "data")
     calls, real = [], gm._scores
     monkeypatch.setattr(gm, "_scores", lambda m, prefix, *a: calls.append((m, prefix)) or real(m, prefix, *a))
     monkeypatch.setattr(gm, "_BASE_SCORES", {})
@@ -961,19 +966,11 @@ def test_the_premise_is_measured_once_per_process_and_again_when_anything_it_rea
     """FedKMT, DeepFusion and CE only read the same cached devices and student: the premise (every
     model scored on test and public text) is measured once per process, keyed by the student's and
     each device's weights, the data and the window; a caller's copy is its own."""
-    import copy
     from types import SimpleNamespace
 
     import comix.algorithms.deepfusion_measures as dm
-    from comix.data import load_corpus
-    from comix.data.splits import SplitConfig, make_server_data
-    from comix.models import load_base_model
     from comix.runtime import Runtime
-    base, tok = load_base_model("tiny-llama")
-    server = make_server_data(load_corpus(str(_domains(tmp_path / "data"))), tok, SplitConfig(public_frac=0.34))
-    device = copy.deepcopy(base)
-    with torch.no_grad():
-        next(device.parameters()).add_(0.05)
+    server, base, device = _server_base_and_moved(tmp_path / "data")
     calls, real = [], dm.split_token_stats
     monkeypatch.setattr(dm, "split_token_stats", lambda m, *a: calls.append(m) or real(m, *a))
     monkeypatch.setattr(dm, "_PREMISES", {})
