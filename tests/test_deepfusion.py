@@ -992,6 +992,10 @@ def test_the_premise_is_measured_once_per_process_and_again_when_anything_it_rea
     dm.in_domain_scores({0: device}, SimpleNamespace(data=server, base=moved, runtime=Runtime()), 16)
     dm.in_domain_scores({0: device}, ctx, 32)
     assert len(calls) == 5 * per_measure
+    # other public text (the test text the same): measured again
+    public = SimpleNamespace(test=server.test, public={d: t[:-1] for d, t in server.public.items()})
+    dm.in_domain_scores({0: device}, SimpleNamespace(data=public, base=base, runtime=Runtime()), 16)
+    assert len(calls) == 6 * per_measure
 
 
 def _contains(seq: list[int], window: list[int]) -> bool:
