@@ -91,7 +91,9 @@ def main(argv=None) -> int:
            "machine": f"{os.cpu_count()}-core {platform.machine()} CPU", "date": datetime.date.today().isoformat(),
            "test": "300 held-out pairs, 100 per label (chance 33.3 %)", "adapter": "FedIT's (LoRA r 8 on q, v)",
            "batch": args.batch, "lr": args.lr, "curve": curve}
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    tmp = Path(args.out).with_suffix(".tmp")  # temp file, then rename: never a half-written result
+    tmp.write_text(json.dumps(out, indent=1) + "\n")
+    os.replace(tmp, args.out)
     return 0
 
 
