@@ -441,10 +441,10 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
         got = fifth_means(m, term, minus_ref)
         return (f"{got[0]:{sign}.3f}", f"{got[1]:{sign}.3f}") if got else ("-", "-")
 
-    def label(m: str) -> str:
-        """The spec's name, with its seeds where it ran on fewer than the case: a mean over
-        other seeds than its neighbours' says so in its row."""
-        mine = sorted(res[m])
+    def label(m: str, mine: list[int] | None = None) -> str:
+        """The spec's name, with its seeds (``mine``: those it ran) where they are fewer than the
+        case's: a mean over other seeds than its neighbours' says so in its row."""
+        mine = sorted(res[m]) if mine is None else mine
         return names.get(m, m) + ("" if mine == seeds else
                                   f" (seed{'s' if len(mine) > 1 else ''} {', '.join(map(str, mine))})")
 
@@ -480,9 +480,12 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
     out += ["", f"Test {what} per domain, mean (std) over seeds {', '.join(map(str, seeds))}:", "",
             "| method | " + " | ".join(domains) + " | mean | generated-answer accuracy % | stream log perplexity |",
             "|---" * (len(domains) + 4) + "|"]
+    # the dense base is the same student on the same test split whatever the teachers: each seed's
+    # from the reference's run, else from the first method that ran that seed (a control ahead of it)
+    scored = {s: next(res[m][s] for m in [ref, *order] if s in res[m]) for s in seeds}
     base = {s: {"per_user": {d: {f"test_{k}": v for k, v in ((k[len("test_base_"):], v) for k, v in row.items()
                                                              if k.startswith("test_base_"))}
-                             for d, row in r["per_user"].items()}} for s, r in res[ref].items()}
+                             for d, row in r["per_user"].items()}} for s, r in scored.items()}
     for row_name, by in [("dense base (before distillation)", base), *((label(m), res[m]) for m in order)]:
         has_acc = all("test_answer_acc" in r["per_user"][d] for r in by.values() for d in domains)
         acc = [statistics.fmean(r["per_user"][d]["test_answer_acc"] for d in domains) for r in by.values()] \
@@ -502,7 +505,7 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
         for d in (*domains, None):
             mean, half = paired_interval([score(res[m][s], domain=d) - score(res[ref][s], domain=d) for s in common])
             cells.append(f"{mean:+.3f} [{mean - half:+.3f}, {mean + half:+.3f}]" if len(common) > 1 else f"{mean:+.3f}")
-        out.append(f"| {label(m)} | " + " | ".join(cells) + " |")
+        out.append(f"| {label(m, common)} | " + " | ".join(cells) + " |")  # the seeds of its pairs
     # how many seeds the paper's margin needs at the spread these seeds show
     common = [s for s in seeds if s in res[chosen] and s in res[ref]]
     if len(common) > 1:
@@ -524,7 +527,7 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     gaps: dict[str, list[float]] = {d: [] for d in domains}  # device minus student on its own domain
     owners: dict[str, set[int]] = {d: set() for d in domains}  # the devices dominant in it (one partition)
-    for s in seeds:
+    for s in sorted(runs[ref]):  # the trained devices' premise, as the reference's run measured it
         row = _jsonl(runs[ref][s] / "server.jsonl")[0]
         known = row.get("in_domain", {})
         for i, (c, model) in enumerate(zip(row["clients"], row["devices"])):
@@ -548,7 +551,7 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
             f"better) beside what distillation moved on it (test {what}, means over the seeds):", "",
             f"| domain | devices dominant in it | their mean edge | best edge | {names.get(ref, ref)} minus the dense "
             f"base | {names.get(chosen, chosen)} minus {names.get(ref, ref)} |", "|---|---:|---:|---:|---:|---:|"]
-    both = [s for s in seeds if s in res[chosen]]
+    both = [s for s in seeds if s in res[chosen] and s in res[ref]]
     for d in domains:
         g = gaps.get(d, [])
         moved = statistics.fmean(score(r, domain=d) - base[s]["per_user"][d][f"test_{key}"] for s, r in res[ref].items())

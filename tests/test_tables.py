@@ -147,6 +147,24 @@ def test_deepfusion_case_chooses_vaa_s_weight_on_validation_and_pairs_against_fe
     assert out.startswith("One DeepFusion spec, deepfusion:alpha=1.0, fixed before the run (no sweep, nothing chosen).")
     assert "| deepfusion:alpha=1.0 (seeds 1, 2) | - | 3.450 (0.050) | 0.250 |" in out
     assert "(chosen)" not in out and "| deepfusion:alpha=1.0 (seeds 1, 2) | -0.150 [" in out
+    # a seed that a method ran and the reference did not (a control run ahead of FedKMT): the dense
+    # base comes from that method's run, the premise rows (FedKMT's trained devices) only from the
+    # reference's seeds, and the paired row names the seeds of its pairs, not of the method
+    shutil.copytree(case / "seed2" / "deepfusion:alpha=1.0", case / "seed3" / "deepfusion:alpha=1.0")
+    shutil.rmtree(case / "seed3" / "fedkmt")
+    moved = case / "seed3" / "deepfusion:alpha=1.0" / "results.json"
+    got = json.loads(moved.read_text())
+    for row in got["per_user"].values():
+        row["test_base_answer_log_ppl"] = 9.6
+    moved.write_text(json.dumps(got))
+    out = tables.table("df")
+    assert "| dense base (before distillation) | 9.200 (0.283) |" in out  # 9.0, 9.0 and seed 3's 9.6
+    assert "| deepfusion:alpha=1.0 | 2.967 (0.047) |" in out.split("per domain")[1]  # 2.9, 3.0, 3.0: every seed
+    assert "| deepfusion:alpha=1.0 (seeds 1, 2) | -0.150 [" in out  # paired where FedKMT ran
+    assert "| fedkmt (seeds 1, 2) | 3.100 (0.100) |" in out  # 3.0, 3.2
+    premise = out.split("The premise:")[1].split("Per domain")[0]
+    assert "| 1 | client0 |" in premise and "| 2 | client0 |" in premise and "| 3 | client0 |" not in premise
+    assert "| a | 1 | -0.2500 | -0.2500 | -5.900 | -0.150 |" in out  # both columns over seeds 1, 2
 
 
 def test_seeds_to_resolve_is_the_first_seed_count_whose_t_interval_is_narrower_than_the_margin():
