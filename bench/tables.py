@@ -870,8 +870,8 @@ def save(runs: list[Path], case: str, meta: dict) -> Path:
 
 
 def unpack(case: str, run_dir: Path) -> Path:
-    """A committed case back into a compare folder: its config.yaml, each seed's partition.json and
-    each finished run's results.json, metrics.jsonl and server.jsonl, so that ``comix compare
+    """A committed case back into a compare folder: its config.yaml, its partition.json (the grid's,
+    or each seed's) and each finished run's results.json, metrics.jsonl and server.jsonl, so that ``comix compare
     --resume RUN_DIR`` skips those runs and trains only the rest. A grid longer than a session is
     saved with ``--save`` when the session stops (a work tree, and its ignored runs/, may not
     outlive it) and continued this way in the next."""
@@ -884,6 +884,8 @@ def unpack(case: str, run_dir: Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     shutil.copy(src / "config.yaml", tmp / "config.yaml")
+    if (src / "partition.json").exists():  # the grid's one split: a later --save of this folder keeps it
+        shutil.copy(src / "partition.json", tmp / "partition.json")
     for f in src.glob("seed*/partition.json"):
         (tmp / f.parent.name).mkdir(exist_ok=True)
         shutil.copy(f, tmp / f.parent.name / "partition.json")

@@ -238,6 +238,8 @@ def test_a_saved_part_of_a_grid_unpacked_is_resumed_where_it_stopped(tmp_path, m
     tables.save([first], "part", {"kind": "users", "methods": ["local"]})  # as if fedavg had not finished
     run = tables.unpack("part", tmp_path / "again")
     assert sorted(p.parent.name for p in run.glob("seed1/*/results.json")) == ["local"]
+    # the grid's one split comes back too: saving the unpacked folder alone must not drop it
+    assert (run / "partition.json").read_text() == (first / "partition.json").read_text()
     for name in ("metrics.jsonl", "server.jsonl"):
         assert (run / "seed1" / "local" / name).read_text() == (first / "seed1" / "local" / name).read_text()
     with pytest.raises(SystemExit, match="exists"):
