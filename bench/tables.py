@@ -383,6 +383,21 @@ def _slices(k: int) -> str:
     return f", {k} slices" if k > 1 else ""
 
 
+def same_devices(run: Path, ref: Path) -> None:
+    """A pair of one-shot runs on one seed reads the same devices: each client whose two runs
+    trained it for the same steps uploaded the same weights (``upload_digest`` in metrics.jsonl;
+    runs logged before it was, and a control with other device steps, are not compared). A device
+    trained again in another session, its cache lost, pairs only if it came out bit for bit equal."""
+    def devices(d: Path) -> dict[str, tuple]:
+        return {r["user"]: (r.get("device_steps"), r["upload_digest"]) for r in _jsonl(d / "metrics.jsonl")
+                if "upload_digest" in r}
+    mine, theirs = devices(run), devices(ref)
+    for user in mine.keys() & theirs.keys():
+        if mine[user][0] == theirs[user][0] and mine[user][1] != theirs[user][1]:
+            raise ValueError(f"bench/tables.py: {run} and {ref} pair on one seed but {user}'s device differs "
+                             f"(upload_digest {mine[user][1]} against {theirs[user][1]})")
+
+
 def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
     """DeepFusion against its baselines with VAA's weight chosen on the server's validation
     documents (``valid_*``, never test): (1) the sweep: each swept spec's validation and test
@@ -501,6 +516,8 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
         if m == ref:
             continue
         common = [s for s in seeds if s in res[m] and s in res[ref]]
+        for s in common:
+            same_devices(runs[m][s], runs[ref][s])
         cells = []
         for d in (*domains, None):
             mean, half = paired_interval([score(res[m][s], domain=d) - score(res[ref][s], domain=d) for s in common])

@@ -1,6 +1,7 @@
 """DeepFusion's building blocks: VAA, upcycling into a transformers MoE, structured pruning,
 cosine KMeans clustering, proxy teachers, the KD loss and the data embedding."""
 import copy
+import hashlib
 import json
 import math
 import re
@@ -580,6 +581,16 @@ def test_device_cache_reuses_a_device_phase_only_when_every_input_matches(tmp_pa
         again, again_metrics = sent["fedkmt"][c]
         assert again.keys() == upload.keys() and all(torch.equal(again[n], t) for n, t in upload.items())
         assert again_metrics["train_loss"] == metrics["train_loss"]
+        # the logged digest is of the uploaded weights alone (not the data embedding), hit or trained
+        weights = hashlib.sha256()
+        for n, t in sorted((n, t) for n, t in upload.items() if n.startswith("weights.")):
+            weights.update(n.encode())
+            weights.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+        assert metrics["upload_digest"] == again_metrics["upload_digest"] == weights.hexdigest()[:16]
+        assert metrics["device_steps"] == again_metrics["device_steps"] == 2
+    # each device its own trained weights: two clients of one spec start alike and upload apart
+    digests = [m["upload_digest"] for _, m in sent["deepfusion"].values()]
+    assert len(set(digests)) == len(digests)
     for i, change in enumerate((["data.alpha=0.5", "--seeds", "1"], ["train.local_steps=3", "--seeds", "1"],
                                 ["--seeds", "2"])):
         sent.clear()

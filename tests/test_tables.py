@@ -165,6 +165,20 @@ def test_deepfusion_case_chooses_vaa_s_weight_on_validation_and_pairs_against_fe
     premise = out.split("The premise:")[1].split("Per domain")[0]
     assert "| 1 | client0 |" in premise and "| 2 | client0 |" in premise and "| 3 | client0 |" not in premise
     assert "| a | 1 | -0.2500 | -0.2500 | -5.900 | -0.150 |" in out  # both columns over seeds 1, 2
+    # a pair reads one seed's same devices: a client's weights differing between the two runs (a
+    # device trained again, not bit for bit) refuses the table; a control's other device steps do not
+    def devices(method: str, digest: str, steps: int = 200) -> None:
+        (case / "seed1" / method / "metrics.jsonl").write_text(
+            json.dumps({"user": "client0", "device_steps": steps, "upload_digest": digest}) + "\n"
+            + json.dumps({"user": "client1", "device_steps": steps, "upload_digest": "b" * 16}) + "\n")
+    devices("fedkmt", "a" * 16)
+    devices("deepfusion:alpha=1.0", "a" * 16)
+    assert "| deepfusion:alpha=1.0 (seeds 1, 2) | -0.150 [" in tables.table("df")
+    devices("deepfusion:alpha=1.0", "c" * 16)
+    with pytest.raises(ValueError, match="client0's device differs"):
+        tables.table("df")
+    devices("deepfusion:alpha=1.0", "c" * 16, steps=0)
+    assert "| deepfusion:alpha=1.0 (seeds 1, 2) | -0.150 [" in tables.table("df")
 
 
 def test_seeds_to_resolve_is_the_first_seed_count_whose_t_interval_is_narrower_than_the_margin():

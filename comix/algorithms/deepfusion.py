@@ -49,7 +49,7 @@ from .base import Algorithm, ClientContext, ClientState, Tensors
 from .training import batch_generator, expert_lr, lm_loss, make_optimizer, step_on, train_step
 from .deepfusion_clusters import cluster_devices, embedding_map, proxy_teachers, uploaded_models
 from .deepfusion_measures import gradient_shares, in_domain_scores
-from .global_moe import (DistilledDomains, device_key, load_device_upload, save_device_upload, save_moe,
+from .global_moe import (DistilledDomains, device_key, upload_digest, load_device_upload, save_device_upload, save_moe,
                          score_on_server, tensors_digest, train_moe_on_public)
 
 log = logging.getLogger("comix.deepfusion")
@@ -78,8 +78,7 @@ class DeepFusion(Algorithm):
                  embed_tokens: int = 128, stages: int = 4, queries: int = 64, vaa_dim: int = 256, vaa_heads: int = 4,
                  alpha: float = 1.0, beta: float = 1.0, temperature: float = 1.0, kd_steps: int = 20,
                  kd_lr: float = 1e-4, feature_lr: float = 1e-3, kd_batch: int = 4, tune_steps: int = 20,
-                 tune_lr: float = 1e-4,
-                 aux_loss_coef: float = 0.001, device_cache: bool = False, ofa_eps: float = 1.0,
+                 tune_lr: float = 1e-4, aux_loss_coef: float = 0.001, device_cache: bool = False, ofa_eps: float = 1.0,
                  grad_log_every: int = 5, score_devices: bool = True, device_steps: int | None = None,
                  qlora_r: int = QLORA.r, qlora_alpha: float = QLORA.alpha):
         super().__init__(lora, train, n_clients)
@@ -184,7 +183,7 @@ class DeepFusion(Algorithm):
         cached = load_device_upload(key) if key else None
         if cached is not None:  # this device already trained with exactly these inputs
             upload, metrics, state.rng = cached
-            return state, upload, {**metrics, "device_cache": "hit"}
+            return state, upload, {**metrics, "upload_digest": upload_digest(upload), "device_cache": "hit"}
         model = ctx.model
         if lora_layers(model):  # QLoRA: its frozen quantised start and fresh adapters
             reset_lora(model)
@@ -218,7 +217,8 @@ class DeepFusion(Algorithm):
         upload = {**{f"weights.{n}": t.to("cpu", copy=True) for n, t in own_weights(model).items()},  # fp32
                   "data_embedding": embedding}
         metrics = {"train_loss": torch.stack(losses).mean().item(), "device_model": self.device_spec(ctx.client),
-                   "device_params": sum(p.numel() for _, p in params), "device_base": ctx.runtime.quant_of(ctx.client)}
+                   "device_params": sum(p.numel() for _, p in params), "device_base": ctx.runtime.quant_of(ctx.client),
+                   "device_steps": self.device_steps, "upload_digest": upload_digest(upload)}
         if key:
             save_device_upload(key, upload, metrics, state.rng)
         return state, upload, metrics

@@ -164,6 +164,14 @@ def tensors_digest(tensors: Tensors) -> str:
     return h.hexdigest()
 
 
+def upload_digest(upload: Tensors) -> str:
+    """The first 16 hex digits of the SHA-256 of a device's uploaded weights (not its data
+    embedding), logged with the device's metrics: the methods a comparison pairs on one seed must
+    have distilled the same devices, and a device trained again in another session (its cache
+    lost) must come out bit for bit the same for its seed's runs to pair (bench/tables.py checks)."""
+    return tensors_digest({n: t for n, t in upload.items() if n.startswith("weights.")})[:16]
+
+
 def device_key(settings: dict, initial_digest: str, data: torch.Tensor, rng: torch.Tensor) -> str:
     """A digest of everything a device's one-shot phase reads: its settings (model spec, ``train``,
     embedding, runtime), its starting weights' digest, its training data and its batch RNG. The
