@@ -516,6 +516,10 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
         if m == ref:
             continue
         common = [s for s in seeds if s in res[m] and s in res[ref]]
+        if not common:  # its seeds are not the reference's yet (a control ahead of it): nothing to pair
+            out.append(f"| {names.get(m, m)} (no seed shared with {names.get(ref, ref)}) | "
+                       + " | ".join("-" for _ in (*domains, None)) + " |")
+            continue
         for s in common:
             same_devices(runs[m][s], runs[ref][s])
         cells = []

@@ -614,7 +614,8 @@ def test_recipes_give_fedjets_devices_the_one_shot_devices_step_budget():
     two = load_config(str(gemma[0]))
     # the one-shot KD methods and both controls (CE only, untrained teachers) on the same 3 seeds, on
     # public text of the devices' own domains (the premise's ground), teachers trained long enough
-    assert set(two.methods) == {"deepfusion", "deepfusion-ce", "fedkmt", "deepfusion:device_steps=0"}
+    assert set(two.methods) == {"deepfusion", "deepfusion-ce", "fedkmt", "deepfusion:device_steps=0",
+                                "deepfusion-ce:device_steps=0"}
     assert two.seeds == [42, 62, 82] and not two.data.public_corpus and two.data.public_frac > 0
     assert two.train.local_steps >= 200
     # the alpha sweep: the KD methods, alpha chosen on the server's validation documents, trained
@@ -1033,6 +1034,31 @@ def test_device_steps_0_is_the_untrained_teacher_control_devices_send_their_star
     assert main(["compare", f"corpus={data}", f"run_dir={tmp_path / 'run'}", *DF, "deepfusion.kd_steps=1",
                  "deepfusion.tune_steps=1", "--methods", "deepfusion:device_steps=0", "deepfusion", "--seeds", "1"]) == 0
     assert same[0] == [True] * 5 and same[2] == [False] * 5
+
+
+def test_ce_only_never_reads_a_teacher_beside_untrained_devices_it_scores_as_beside_trained_ones(tmp_path):
+    """CE only (alpha = beta = 0) trains its students on the public CE alone: its scores beside
+    untrained devices equal, bit for bit, its scores beside trained ones (so its control row needs
+    no trained device), where DeepFusion's, whose students learn from the teachers, differ. One
+    teacher family has its own tokenizer: its aligned distributions reach the loss too."""
+    from comix.cli import main
+    from test_token_align import _device_of_another_family
+    data = _domains(tmp_path / "data")
+    folder, _ = _device_of_another_family(tmp_path / "other-family")
+    options = [o for o in DF if not o.startswith("deepfusion.devices")] + [f"deepfusion.devices=[base,prune:2:32,{folder}]"]
+    specs = ["deepfusion-ce", "deepfusion-ce:device_steps=0", "deepfusion", "deepfusion:device_steps=0"]
+    assert main(["compare", f"corpus={data}", f"run_dir={tmp_path / 'run'}", *options, "deepfusion.kd_steps=2",
+                 "deepfusion.tune_steps=1", "--methods", *specs, "--seeds", "1"]) == 0
+    server = json.loads((tmp_path / "run" / "seed1" / "deepfusion-ce" / "server.jsonl").read_text().splitlines()[0])
+    assert str(folder) in server["devices"] and any("aligned_share" in kd for kd in server["kd"])
+
+    def scores(spec: str) -> dict:
+        got = json.loads((tmp_path / "run" / "seed1" / spec.replace(":", "__") / "results.json").read_text())
+        return {d: {k: v for k, v in row.items() if k.startswith("test_") and "base" not in k}
+                for d, row in got["per_user"].items()}
+    ce, ce_untrained, df, df_untrained = map(scores, specs)
+    assert ce and ce == ce_untrained
+    assert df != df_untrained
 
 
 def test_quantised_devices_train_qlora_s_way_and_upload_their_merged_model(tmp_path, monkeypatch):

@@ -165,6 +165,15 @@ def test_deepfusion_case_chooses_vaa_s_weight_on_validation_and_pairs_against_fe
     premise = out.split("The premise:")[1].split("Per domain")[0]
     assert "| 1 | client0 |" in premise and "| 2 | client0 |" in premise and "| 3 | client0 |" not in premise
     assert "| a | 1 | -0.2500 | -0.2500 | -5.900 | -0.150 |" in out  # both columns over seeds 1, 2
+    # a method on none of the reference's seeds is a row of its own and no pair
+    shutil.copytree(case / "seed3" / "deepfusion:alpha=1.0", case / "seed3" / "deepfusion-ce")
+    ce = case / "seed3" / "deepfusion-ce" / "results.json"
+    ce.write_text(json.dumps({**json.loads(ce.read_text()), "method": "deepfusion-ce"}))
+    (case / "case.json").write_text(json.dumps({**json.loads((case / "case.json").read_text()),
+                                                "order": ["fedkmt", "deepfusion:alpha=1.0", "deepfusion-ce"]}))
+    out = tables.table("df")
+    assert "| deepfusion-ce (seed 3) | 3.000 | 4.000 | 3.500 |" in out.split("per domain")[1]
+    assert "| deepfusion-ce (no seed shared with fedkmt) | - | - | - |" in out
     # a pair reads one seed's same devices: a client's weights differing between the two runs (a
     # device trained again, not bit for bit) refuses the table; a control's other device steps do not
     def devices(method: str, digest: str, steps: int = 200) -> None:
