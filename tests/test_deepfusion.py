@@ -1028,12 +1028,15 @@ def test_device_steps_0_is_the_untrained_teacher_control_devices_send_their_star
         same.setdefault(self.device_steps, []).append(
             all(torch.equal(upload[f"weights.{n}"], t) for n, t in start.items() if f"weights.{n}" in upload))
         assert math.isfinite(metrics["train_loss"])
+        logged.setdefault(self.device_steps, set()).add(metrics["device_steps"])  # the control's 0, not train's 2
         return state, upload, metrics
+    logged = {}
     monkeypatch.setattr(DeepFusion, "client_round", spy)
     data = _domains(tmp_path / "data")
     assert main(["compare", f"corpus={data}", f"run_dir={tmp_path / 'run'}", *DF, "deepfusion.kd_steps=1",
                  "deepfusion.tune_steps=1", "--methods", "deepfusion:device_steps=0", "deepfusion", "--seeds", "1"]) == 0
     assert same[0] == [True] * 5 and same[2] == [False] * 5
+    assert logged == {0: {0}, 2: {2}}
 
 
 def test_ce_only_never_reads_a_teacher_beside_untrained_devices_it_scores_as_beside_trained_ones(tmp_path):

@@ -49,8 +49,8 @@ from .base import Algorithm, ClientContext, ClientState, Tensors
 from .training import batch_generator, expert_lr, lm_loss, make_optimizer, step_on, train_step
 from .deepfusion_clusters import cluster_devices, embedding_map, proxy_teachers, uploaded_models
 from .deepfusion_measures import gradient_shares, in_domain_scores
-from .global_moe import (DistilledDomains, device_key, upload_digest, load_device_upload, save_device_upload, save_moe,
-                         score_on_server, tensors_digest, train_moe_on_public)
+from .global_moe import (DistilledDomains, device_key, load_device_upload, save_device_upload, save_moe,
+                         score_on_server, tensors_digest, train_moe_on_public, upload_digest)
 
 log = logging.getLogger("comix.deepfusion")
 
