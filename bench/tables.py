@@ -59,6 +59,8 @@ import statistics
 import sys
 from pathlib import Path
 
+import yaml
+
 from scipy.stats import t as student_t
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -536,8 +538,11 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
                 f"(std {sd:.4f} over {len(common)} seeds), the seeds a 95 % interval needs to be narrower than the "
                 "paper's edge over FedKMT (Table I, open-ended QA): "
                 + ", ".join(f"{need[edge]} for its {n} edge ({edge:.3f} nats)" for n, edge in PAPER_EDGE.items()) + "."]
-    partition = RESULTS / meta["case"] / "partition.json"
-    mixtures = json.loads(partition.read_text()) if partition.exists() else {}
+    case = RESULTS / meta["case"]
+    mixtures = {}  # per seed: its own split (data.seed run or a mapping), else the case's one partition
+    for s in runs[ref]:
+        part = next((p for p in (case / f"seed{s}" / "partition.json", case / "partition.json") if p.exists()), None)
+        mixtures[s] = json.loads(part.read_text()) if part else {}
     out += ["", "The premise: each device's log perplexity per character (nats) on its own dominant domain against "
             "the student's before distillation (lower is better), and the same on the public text the distillation "
             "runs on: its own domain's public stream, where a teacher must know more than the student for KD to "
@@ -547,18 +552,18 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
             "minus student |",
             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     gaps: dict[str, list[float]] = {d: [] for d in domains}  # device minus student on its own domain
-    owners: dict[str, set[int]] = {d: set() for d in domains}  # the devices dominant in it (one partition)
+    owners: dict[str, set[tuple[int, int]]] = {d: set() for d in domains}  # (seed, device) dominant in it
     for s in sorted(runs[ref]):  # the trained devices' premise, as the reference's run measured it
         row = _jsonl(runs[ref][s] / "server.jsonl")[0]
         known = row.get("in_domain", {})
         for i, (c, model) in enumerate(zip(row["clients"], row["devices"])):
-            mix = mixtures.get(f"client{c}", {}).get("mixture")
+            mix = mixtures[s].get(f"client{c}", {}).get("mixture")
             if not mix or str(c) not in known.get("devices", {}):
                 continue
             dom = max(mix, key=mix.get)
             dev, stu = known["devices"][str(c)][dom], known["student"][dom]
             gaps.setdefault(dom, []).append(dev - stu)
-            owners.setdefault(dom, set()).add(c)
+            owners.setdefault(dom, set()).add((s, c))
             pub = known.get("public", {})
             p_dev, p_stu = pub.get("devices", {}).get(str(c), {}), pub.get("student", {})
             on_public = f"{p_dev[dom]:.4f} | {p_stu[dom]:.4f} | {p_dev[dom] - p_stu[dom]:+.4f}" \
@@ -570,14 +575,14 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
     # beyond the logits) gain more there? The premise set beside what each method moved, per domain.
     out += ["", f"Per domain: the teachers' edge (device minus student above; negative: the device knows the domain "
             f"better) beside what distillation moved on it (test {what}, means over the seeds):", "",
-            f"| domain | devices dominant in it | their mean edge | best edge | {names.get(ref, ref)} minus the dense "
+            f"| domain | devices dominant in it (a seed, mean over the seeds) | their mean edge | best edge | {names.get(ref, ref)} minus the dense "
             f"base | {names.get(chosen, chosen)} minus {names.get(ref, ref)} |", "|---|---:|---:|---:|---:|---:|"]
     both = [s for s in seeds if s in res[chosen] and s in res[ref]]
     for d in domains:
         g = gaps.get(d, [])
         moved = statistics.fmean(score(r, domain=d) - base[s]["per_user"][d][f"test_{key}"] for s, r in res[ref].items())
         vaa = statistics.fmean(score(res[chosen][s], domain=d) - score(res[ref][s], domain=d) for s in both)
-        out.append(f"| {d} | {len(owners.get(d, ()))} | " + (f"{statistics.fmean(g):+.4f} | {min(g):+.4f}" if g else "- | -")
+        out.append(f"| {d} | {len(owners.get(d, ())) / max(1, len(runs[ref])):.3g} | " + (f"{statistics.fmean(g):+.4f} | {min(g):+.4f}" if g else "- | -")
                    + f" | {moved:+.3f} | {vaa:+.3f} |")
     # what more weight and more steps would take: the cost of each point of the feature term's
     # gradient share on test, and whether KD's CE gap to the reference closes as the steps go on
@@ -847,6 +852,12 @@ def render(text: str) -> str:
     return MARK.sub(lambda m: m.group(1) + table(m.group("case")) + m.group(4), text)
 
 
+def data_seed_of(data_seed, seed: int):
+    """The data seed a run of training seed ``seed`` split its data with (config.with_data_seed),
+    from its config.yaml's ``data.seed``: a number, run, or a mapping {training seed: data seed}."""
+    return seed if data_seed == "run" else data_seed.get(seed) if isinstance(data_seed, dict) else data_seed
+
+
 def save(runs: list[Path], case: str, meta: dict) -> Path:
     """Finished runs' or compare folders' records, compressed, into bench/results/<case>/: one
     folder, or several of the same data (a sweep on one seed, its choice on more seeds; a committed
@@ -855,22 +866,34 @@ def save(runs: list[Path], case: str, meta: dict) -> Path:
     out = RESULTS / case
     tmp = out.with_name(f".{case}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
+    # a case splits the data once (data.seed a number: one partition.json, every run's the same) or
+    # once per seed (data.seed run or a mapping, as the case's config.yaml, the first run's, says):
+    # then each run's seeds must have used the case's data seed, and each seed keeps its own split
+    case_seed = (yaml.safe_load((runs[0] / "config.yaml").read_text()).get("data") or {}).get("seed", 0)
+    per_seed = case_seed == "run" or isinstance(case_seed, dict)
     partitions = {(r / "partition.json").read_text() for r in runs if (r / "partition.json").exists()}
-    if len(partitions) > 1:
+    if len(partitions) > 1 and not per_seed:
         raise SystemExit(f"bench/tables.py --save: {', '.join(map(str, runs))} split the data differently "
                          "(partition.json): not one case")
     for run in runs:
         dirs = [p.parent for p in sorted(run.glob("seed*/*/results.json"))] or \
                [p.parent for p in sorted(run.glob("*/results.json"))]
         seed_of_run = int(re.search(r"^seed: (\d+)", (run / "config.yaml").read_text(), re.M).group(1))
+        run_seed = (yaml.safe_load((run / "config.yaml").read_text()).get("data") or {}).get("seed", 0)
         for d in dirs:
             if meta.get("methods") and json.loads((d / "results.json").read_text())["method"] not in meta["methods"]:
                 continue
             seed = d.parent.name if d.parent.name.startswith("seed") else f"seed{seed_of_run}"
+            if per_seed and data_seed_of(run_seed, int(seed[4:])) != data_seed_of(case_seed, int(seed[4:])):
+                raise SystemExit(f"bench/tables.py --save: {d} split the data with data seed "
+                                 f"{data_seed_of(run_seed, int(seed[4:]))}, the case's config.yaml gives {seed} data "
+                                 f"seed {data_seed_of(case_seed, int(seed[4:]))}: not this case's split")
             dest = tmp / seed / d.name
             dest.mkdir(parents=True)
             if (d.parent / "partition.json").exists() and d.parent != run:  # a seed's own split (data.seed: run)
                 shutil.copy(d.parent / "partition.json", tmp / seed / "partition.json")
+            elif per_seed and (run / "partition.json").exists():  # a run of one data seed, the seed's split in a case of many
+                shutil.copy(run / "partition.json", tmp / seed / "partition.json")
             # one line: a results.json holds every client's gates per module (thousands of pretty lines)
             (dest / "results.json").write_text(json.dumps(json.loads((d / "results.json").read_text())) + "\n")
             for name in ("metrics.jsonl", "server.jsonl"):
@@ -880,7 +903,7 @@ def save(runs: list[Path], case: str, meta: dict) -> Path:
                 elif (d / f"{name}.xz").exists():  # a committed case given as a run: later seeds merge into it
                     shutil.copy(d / f"{name}.xz", dest / f"{name}.xz")
     shutil.copy(runs[0] / "config.yaml", tmp / "config.yaml")
-    if partitions:  # each client's data mixture (DeepFusion's premise table reads it)
+    if partitions and not per_seed:  # each client's data mixture (DeepFusion's premise table reads it)
         (tmp / "partition.json").write_text(partitions.pop())
     (tmp / "case.json").write_text(json.dumps(meta, indent=1) + "\n")
     if (out / "NOTES.md").exists():  # the case's diary of runs and readings, written by hand: kept

@@ -185,7 +185,7 @@ def prepare(config=None, overrides=(), resume=None, default_name: str = "", meth
     """Load (or, with ``resume``, reload) the config and load data and model; only then create the
     run directory with config.yaml, so a bad input leaves nothing behind. ``on_run_dir`` hears the
     run directory as soon as it is known (the CLI names it in its resume hint)."""
-    from .config import load_config, to_dict
+    from .config import check_data_seeds, load_config, to_dict
     from .files import atomic_write
     from .runner import load_inputs
 
@@ -198,6 +198,7 @@ def prepare(config=None, overrides=(), resume=None, default_name: str = "", meth
             raise ValueError(f"--resume: {run_dir} holds no config.yaml (not a comix run directory)")
         cfg = load_config(str(run_dir / "config.yaml"), list(overrides))
         check_resume_config(run_dir, cfg)
+        check_data_seeds(cfg)
         if on_run_dir:
             on_run_dir(run_dir)
         return (cfg, run_dir, *load_inputs(cfg))
@@ -207,6 +208,7 @@ def prepare(config=None, overrides=(), resume=None, default_name: str = "", meth
     if seeds:
         cfg.seeds = list(seeds)
     cfg.validate()
+    check_data_seeds(cfg)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     run_dir = Path(cfg.run_dir or f"runs/{default_name}{cfg.corpus.strip('/').split('/')[-1]}-{stamp}")
     cfg.run_dir = str(run_dir)
@@ -229,7 +231,7 @@ def prepare(config=None, overrides=(), resume=None, default_name: str = "", meth
 
 def seeded_data(cfg, seed: int, seed_dir: Path):
     """(config, users, server data) of one seed of a grid whose partition follows the seed
-    (``data.seed: run``); the seed's partition.json is written beside its runs."""
+    (``data.seed``: run or a mapping); the seed's partition.json is written beside its runs."""
     from .config import with_data_seed
     from .data import check_seq_len, describe_partition, load_corpus, make_user_data
     from .data.splits import make_server_data
@@ -302,11 +304,12 @@ def compare(config=None, *overrides: str, methods=None, seeds=None, resume=None,
     seeds = cfg.seeds or [cfg.seed]
     console.print(f"[bold]comix compare[/] {run_dir}  methods={' '.join(cfg.methods)} seeds={seeds}\n{table}")
     print_calibration(cfg, users, console)
-    if cfg.data.seed == "run":  # no one partition for the grid: each seed folder holds its own
+    from .config import per_seed_split
+    if per_seed_split(cfg.data):  # no one partition for the grid: each seed folder holds its own
         (run_dir / "partition.json").unlink(missing_ok=True)
     for seed in seeds:
         seed_cfg, seed_users, seed_server = cfg, users, server_data
-        if cfg.data.seed == "run":  # each seed its own partition and test set (data.seed: run)
+        if per_seed_split(cfg.data):  # each seed its own partition and test set (data.seed: run or a mapping)
             seed_cfg, seed_users, seed_server = seeded_data(cfg, seed, run_dir / f"seed{seed}")
         for spec in cfg.methods:
             run_spec(seed_cfg, spec, seed, run_dir / f"seed{seed}" / spec_dirname(spec), model, seed_users, console,
@@ -319,7 +322,9 @@ def compare(config=None, *overrides: str, methods=None, seeds=None, resume=None,
     title = metric_title([r for by in results.values() for r in by.values()])
     setup = f"mode {cfg.data.mode}" if all(u.task == "lm" for u in users) else \
         f"partition {cfg.data.partition}" + (f", alpha {cfg.data.alpha}" if cfg.data.partition == "dirichlet" else "")
-    setup += ", each seed its own data split" if cfg.data.seed == "run" else f", one data split (data.seed {cfg.data.seed})"
+    setup += ", each seed its own data split" if cfg.data.seed == "run" else \
+        f", each seed its own data split (data seeds {cfg.data.seed})" if per_seed_split(cfg.data) else \
+        f", one data split (data.seed {cfg.data.seed})"
     header = (f"{title} ({cfg.model}, {cfg.corpus}, {setup}, seeds {seeds}): "
               "mean over users (of the last round), then mean (std) over seeds\n\n")
     overhead = overhead_table(run_dir, cfg.methods, seeds)

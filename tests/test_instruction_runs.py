@@ -210,7 +210,7 @@ def test_data_seed_run_gives_each_seed_of_a_grid_its_own_partition_and_test_set(
     common = ["model=tiny-llama", "corpus=relations", "data.partition=dirichlet", "data.clients=3",
               "data.test_examples=5", "data.valid_examples=3", "train.rounds=1", "train.local_steps=1",
               "train.batch_size=2", "--methods", "local", "--seeds", "1", "2"]
-    for name, seed in (("run", "run"), ("fixed", "7")):
+    for name, seed in (("run", "run"), ("fixed", "7"), ("mapped", "{1: 7, 2: 2}")):
         assert main(["compare", f"data.seed={seed}", f"run_dir={tmp_path / name}", *common]) == 0
     parts = {s: json.loads((tmp_path / "run" / f"seed{s}" / "partition.json").read_text()) for s in (1, 2)}
     assert parts[1] != parts[2]
@@ -218,6 +218,21 @@ def test_data_seed_run_gives_each_seed_of_a_grid_its_own_partition_and_test_set(
     assert not (tmp_path / "fixed" / "seed1" / "partition.json").exists()
     sizes = {s: [u["train"]["size"] for u in parts[s].values()] for s in (1, 2)}
     assert sizes[1] != sizes[2]  # Dirichlet draws of their own
+    # a stated data seed per grid seed: seed 1 on data seed 7's split (the fixed grid's), seed 2 on
+    # data seed 2's (data.seed: run's for seed 2), and no one partition for the grid
+    mapped = {s: json.loads((tmp_path / "mapped" / f"seed{s}" / "partition.json").read_text()) for s in (1, 2)}
+    assert mapped[1] == json.loads((tmp_path / "fixed" / "partition.json").read_text()) != parts[1]
+    assert mapped[2] == parts[2]
+    assert not (tmp_path / "mapped" / "partition.json").exists()
+    assert "each seed its own data split (data seeds {1: 7, 2: 2})" in (tmp_path / "mapped" / "compare.md").read_text()
+
+
+def test_a_data_seed_mapping_without_a_grid_seed_fails_before_the_run_directory(tmp_path, capsys):
+    from comix.cli import main
+    assert main(["compare", "model=tiny-llama", "corpus=relations", "data.seed={1: 7}", "--seeds", "1", "2",
+                 "--methods", "local", f"run_dir={tmp_path / 'r'}"]) != 0
+    assert "data.seed gives no data seed for seed(s) [2]" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
 
 
 def test_one_label_share_counts_the_clients_whose_model_answers_one_label_only():

@@ -188,6 +188,15 @@ def test_deepfusion_case_chooses_vaa_s_weight_on_validation_and_pairs_against_fe
         tables.table("df")
     devices("deepfusion:alpha=1.0", "c" * 16, steps=0)
     assert "| deepfusion:alpha=1.0 (seeds 1, 2) | -0.150 [" in tables.table("df")
+    # each seed its own split (data.seed run or a mapping): seed 2's premise rows read seed 2's
+    # partition.json, seed 1's the case's; a domain counts its dominant devices a seed, on the mean
+    (case / "seed2" / "partition.json").write_text(json.dumps({"client0": {"mixture": {"a": 0.3, "b": 0.7}},
+                                                               "client1": {"mixture": {"a": 0.2, "b": 0.8}}}))
+    out = tables.table("df")
+    premise = out.split("The premise:")[1].split("Per domain")[0]
+    assert "| 1 | client0 | base | a (0.90) | 1.0000 | 1.2500 | -0.2500 |" in premise
+    assert "| 2 | client0 | base | b (0.70) | 2.0000 | 1.0000 | +1.0000 | - | - | - | +1.5000 |" in premise
+    assert "| a | 0.5 | -0.2500 |" in out and "| b | 1.5 |" in out  # a: seed 1's client0; b: 1 + 2 devices
 
 
 def test_seeds_to_resolve_is_the_first_seed_count_whose_t_interval_is_narrower_than_the_margin():
@@ -242,6 +251,33 @@ def test_save_merges_runs_of_one_partition_keeps_the_named_methods_and_refuses_t
     other = run("o", [62], ["fedkmt"], '{"client0": 2}')
     with pytest.raises(SystemExit, match="split the data differently"):
         tables.save([a, other], "d", {})
+    assert not (tmp_path / "results" / "d").exists()
+
+
+def test_save_keeps_each_seed_s_own_split_where_the_case_states_a_data_seed_per_seed(tmp_path, monkeypatch):
+    """A case whose config.yaml maps each seed to its data seed takes a later seed's run of one
+    data seed (its partition.json becomes that seed's), keeps no one partition for the case, and
+    refuses a run whose data seed is not the one the case states for its seed."""
+    tables = _tables()
+    monkeypatch.setattr(tables, "RESULTS", tmp_path / "results")
+
+    def run(name, seed, data_seed, partition):
+        root = tmp_path / name
+        (root / f"seed{seed}" / "fedkmt").mkdir(parents=True)
+        (root / f"seed{seed}" / "fedkmt" / "results.json").write_text(json.dumps({"method": "fedkmt", "mean": seed}))
+        (root / "config.yaml").write_text(f"seed: 42\ndata:\n  seed: {data_seed}\n")
+        (root / "partition.json").write_text(partition)
+        return root
+    first = run("first", 42, "{42: 0, 62: 1}", '{"client0": 0}')
+    out = tables.save([first, run("later", 62, "1", '{"client0": 1}')], "c", {"kind": "deepfusion"})
+    assert (out / "seed42" / "partition.json").read_text() == '{"client0": 0}'
+    assert (out / "seed62" / "partition.json").read_text() == '{"client0": 1}'
+    assert not (out / "partition.json").exists()
+    # unpacked and saved again, each seed keeps its split
+    again = tables.save([tables.unpack("c", tmp_path / "u")], "c", {"kind": "deepfusion"})
+    assert (again / "seed62" / "partition.json").read_text() == '{"client0": 1}' and not (again / "partition.json").exists()
+    with pytest.raises(SystemExit, match="data seed 5, the case's config.yaml gives seed62 data seed 1"):
+        tables.save([first, run("wrong", 62, "5", '{"client0": 5}')], "d", {})
     assert not (tmp_path / "results" / "d").exists()
 
 

@@ -41,7 +41,7 @@ class SplitConfig:
     train_tokens: list[int] | None = None  # per-user training-token budget (quantity skew)
     valid_tokens: int | None = None        # cap per user (the router's validation set is small)
     test_tokens: int | None = None         # cap per user; perplexity runs over the whole capped split
-    seed: int | str = 0                    # document-split / partition seed; "run": each grid seed its own split
+    seed: int | str | dict = 0  # document-split / partition seed; "run": each grid seed its own split; {seed: data seed}: the one each names
     users: list[str] | None = None         # categories to use, in user order (default: all)
     clients: int = 0                       # > 0: that many clients with Dirichlet mixtures of the categories
     alpha: float = 1.0                     # Dirichlet concentration of those mixtures

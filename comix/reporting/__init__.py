@@ -83,7 +83,9 @@ def setup_line(path: Path) -> str:
                                                   else f"Dirichlet({data.get('alpha')})")
     else:
         split = f"users' own categories, mode {data.get('mode', 'in')}"
-    split += ", each seed its own data split" if data.get("seed") == "run" else f", data.seed {data.get('seed', 0)}"
+    split += ", each seed its own data split" if data.get("seed") == "run" else \
+        f", each seed its own data split (data seeds {data['seed']})" if isinstance(data.get("seed"), dict) else \
+        f", data.seed {data.get('seed', 0)}"
     line = (f"**Setup**: model `{cfg.get('model')}`, corpus `{cfg.get('corpus')}` ({split}); "
             f"{train.get('rounds')} rounds x {train.get('local_steps')} local steps of batch {train.get('batch_size')}"
             f" (sequences of {train.get('seq_len')} tokens); precision {cfg.get('precision', 'fp32')}.")
