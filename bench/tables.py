@@ -889,6 +889,10 @@ def save(runs: list[Path], case: str, meta: dict) -> Path:
                                  f"{data_seed_of(run_seed, int(seed[4:]))}, the case's config.yaml gives {seed} data "
                                  f"seed {data_seed_of(case_seed, int(seed[4:]))}: not this case's split")
             dest = tmp / seed / d.name
+            if dest.exists():  # the same run given twice (a case and the run it was saved from): once, if equal
+                if json.loads((dest / "results.json").read_text()) != json.loads((d / "results.json").read_text()):
+                    raise SystemExit(f"bench/tables.py --save: {seed}/{d.name} is in two of the runs with other results")
+                continue
             dest.mkdir(parents=True)
             if (d.parent / "partition.json").exists() and d.parent != run:  # a seed's own split (data.seed: run)
                 shutil.copy(d.parent / "partition.json", tmp / seed / "partition.json")

@@ -302,15 +302,18 @@ def compare(config=None, *overrides: str, methods=None, seeds=None, resume=None,
     cfg, run_dir, model, _, users, table, server_data = prepare(config, overrides_of(overrides, settings), resume,
                                                                  "compare-", methods, seeds, on_run_dir)
     seeds = cfg.seeds or [cfg.seed]
-    console.print(f"[bold]comix compare[/] {run_dir}  methods={' '.join(cfg.methods)} seeds={seeds}\n{table}")
+    from .config import first_split_seed, per_seed_split
+    from .data import token_table
+    shown = f"the split of seed {first_split_seed(cfg)}, each seed splits its own\n" if per_seed_split(cfg.data) else ""
+    console.print(f"[bold]comix compare[/] {run_dir}  methods={' '.join(cfg.methods)} seeds={seeds}\n{shown}{table}")
     print_calibration(cfg, users, console)
-    from .config import per_seed_split
     if per_seed_split(cfg.data):  # no one partition for the grid: each seed folder holds its own
         (run_dir / "partition.json").unlink(missing_ok=True)
     for seed in seeds:
         seed_cfg, seed_users, seed_server = cfg, users, server_data
         if per_seed_split(cfg.data):  # each seed its own partition and test set (data.seed: run or a mapping)
             seed_cfg, seed_users, seed_server = seeded_data(cfg, seed, run_dir / f"seed{seed}")
+            console.print(f"seed {seed}: data seed {seed_cfg.data.seed}\n{token_table(seed_users)}")
         for spec in cfg.methods:
             run_spec(seed_cfg, spec, seed, run_dir / f"seed{seed}" / spec_dirname(spec), model, seed_users, console,
                      seed_server)

@@ -1174,3 +1174,37 @@ def test_a_server_phase_killed_after_a_domain_resumes_there_with_the_numbers_of_
     other = DistilledDomains(tmp_path / "c", {"alpha": 10.0}, torch.zeros(4, dtype=torch.int32), base)
     assert other.load(other.key(0, [], gen), 0, base, gen) is None
     assert one.load(one.key(0, [(base, 0.5)], gen), 0, base, gen) is None  # other teachers
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_device_s_fused_update_with_sparse_tied_rows_is_the_plain_adamw_update(tied):
+    """A full fine-tuning device's update (make_optimizer(fused=True) inside
+    sparse_tied_embedding_grads) is the plain AdamW update, float rounding apart: the tied weight's
+    gradient is the same dense sum. The embedding is switched back after, and an untied one (whose
+    sparse gradient AdamW would refuse) is never switched."""
+    import contextlib
+
+    from comix.algorithms.base import ClientState
+    from comix.algorithms.training import TrainConfig, make_optimizer, sparse_tied_embedding_grads, train_step
+    cfg = LlamaConfig(vocab_size=97, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=2, tie_word_embeddings=tied)
+
+    def trained(fast: bool):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg)
+        params = list(model.named_parameters())
+        opt = make_optimizer(params, ClientState(adapters={}), "model", TrainConfig(lr=1e-2), fused=fast)
+        gen = torch.Generator().manual_seed(1)
+        with sparse_tied_embedding_grads(model) if fast else contextlib.nullcontext() as switched:
+            assert model.get_input_embeddings().sparse is (fast and tied) and bool(switched) is (fast and tied)
+            for _ in range(3):
+                x = torch.randint(0, 97, (2, 9), generator=gen)
+                train_step(model, x[:, :-1], x[:, 1:], [p for _, p in params], opt, 0.0)
+        assert not model.get_input_embeddings().sparse  # switched back
+        return model
+    plain, fast = trained(False), trained(True)
+    torch.manual_seed(0)
+    start = LlamaForCausalLM(cfg).get_input_embeddings().weight
+    assert (plain.get_input_embeddings().weight - start).abs().max() > 1e-3  # the steps moved the embedding
+    for (name, a), (_, b) in zip(plain.named_parameters(), fast.named_parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)

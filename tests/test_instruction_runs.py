@@ -203,7 +203,7 @@ def test_a_run_on_an_instruction_set_reports_its_task_metric_and_saves_the_parti
     assert not (tmp_path / "assignment-fedit.png").exists()
 
 
-def test_data_seed_run_gives_each_seed_of_a_grid_its_own_partition_and_test_set(tmp_path):
+def test_data_seed_run_gives_each_seed_of_a_grid_its_own_partition_and_test_set(tmp_path, capsys):
     """data.seed: run draws the partition and the splits from each grid seed (the intervals over
     seeds then cover the data split); a fixed data.seed keeps one partition for every seed."""
     from comix.cli import main
@@ -225,6 +225,8 @@ def test_data_seed_run_gives_each_seed_of_a_grid_its_own_partition_and_test_set(
     assert mapped[2] == parts[2]
     assert not (tmp_path / "mapped" / "partition.json").exists()
     assert "each seed its own data split (data seeds {1: 7, 2: 2})" in (tmp_path / "mapped" / "compare.md").read_text()
+    said = capsys.readouterr().err  # the console's: each seed's own token table, named by its data seed
+    assert "seed 1: data seed 7" in said and "seed 2: data seed 2" in said
 
 
 def test_a_data_seed_mapping_without_a_grid_seed_fails_before_the_run_directory(tmp_path, capsys):

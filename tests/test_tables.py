@@ -276,6 +276,12 @@ def test_save_keeps_each_seed_s_own_split_where_the_case_states_a_data_seed_per_
     # unpacked and saved again, each seed keeps its split
     again = tables.save([tables.unpack("c", tmp_path / "u")], "c", {"kind": "deepfusion"})
     assert (again / "seed62" / "partition.json").read_text() == '{"client0": 1}' and not (again / "partition.json").exists()
+    # the run a case was saved from, given again beside it, is taken once; another run of that seed and method is refused
+    assert tables.save([again, tmp_path / "later"], "c", {"kind": "deepfusion"}).exists()
+    clash = run("clash", 62, "1", '{"client0": 1}')
+    (clash / "seed62" / "fedkmt" / "results.json").write_text(json.dumps({"method": "fedkmt", "mean": 0}))
+    with pytest.raises(SystemExit, match="seed62/fedkmt is in two of the runs with other results"):
+        tables.save([again, clash], "c", {"kind": "deepfusion"})
     with pytest.raises(SystemExit, match="data seed 5, the case's config.yaml gives seed62 data seed 1"):
         tables.save([first, run("wrong", 62, "5", '{"client0": 5}')], "d", {})
     assert not (tmp_path / "results" / "d").exists()

@@ -46,7 +46,8 @@ from ..models.token_align import CrossTokenizerTeacher, reads_other_tokens, reto
 from ..models.vaa import ViewAlignedAttention, stage_ends
 from ..runtime import Runtime, offload, to_cpu
 from .base import Algorithm, ClientContext, ClientState, Tensors
-from .training import batch_generator, expert_lr, lm_loss, make_optimizer, step_on, train_step
+from .training import (batch_generator, expert_lr, lm_loss, make_optimizer, sparse_tied_embedding_grads, step_on,
+                       train_step)
 from .deepfusion_clusters import cluster_devices, embedding_map, proxy_teachers, uploaded_models
 from .deepfusion_measures import gradient_shares, in_domain_scores
 from .global_moe import (DistilledDomains, device_key, load_device_upload, save_device_upload, save_moe,
@@ -196,18 +197,20 @@ class DeepFusion(Algorithm):
             own_tokens = retokenize(ctx.data.train, tokenizer_at(self._tokenizer_dir),
                                     tokenizer_at(model.config.comix_tokenizer))
         params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        opt = make_optimizer(params, ClientState(adapters={}), "model", self.train)  # fresh: one round
+        full = not lora_layers(model)  # full fine-tuning: every weight, the fused update (the same AdamW)
+        opt = make_optimizer(params, ClientState(adapters={}), "model", self.train, fused=full)  # fresh: one round
         scaler = ctx.runtime.grad_scaler()
         losses = []
 
         def batch():
             return self.train_batch(ctx, gen) if own_tokens is None else \
                 sample_batch(own_tokens, self.train.batch_size, self.train.seq_len, gen)
-        for step in range(self.device_steps):
-            for g in opt.param_groups:
-                g["lr"] = expert_lr(step, self.device_steps, self.train)
-            losses.append(train_step(model, *batch(), [p for _, p in params], opt, self.train.grad_clip,
-                                     scaler, ctx.runtime.micro_batches_of(ctx.client)))
+        with sparse_tied_embedding_grads(model):  # the same gradient, without a dense zero table
+            for step in range(self.device_steps):
+                for g in opt.param_groups:
+                    g["lr"] = expert_lr(step, self.device_steps, self.train)
+                losses.append(train_step(model, *batch(), [p for _, p in params], opt, self.train.grad_clip,
+                                         scaler, ctx.runtime.micro_batches_of(ctx.client)))
         if not losses:  # the untrained control: the loss it would start from, on one of its batches
             with torch.no_grad():
                 losses.append(lm_loss(model, *batch()))
@@ -237,6 +240,8 @@ class DeepFusion(Algorithm):
             settings["qlora"] = [rt.quant_of(ctx.client), dataclasses.asdict(self.qlora)]
         if rt.micro_batches_of(ctx.client) != 1:
             settings["micro_batches"] = rt.micro_batches_of(ctx.client)
+        if self.device_steps and rt.quant_of(ctx.client) == "none":  # trained by the fused update, sparse tied rows:
+            settings["update"] = "fused"  # other rounding than the devices cached before it, so another key
         return device_key(settings, self._initial_digest[spec], ctx.data.train, batch_generator(state).get_state())
 
     # -- server ----------------------------------------------------------------------------------

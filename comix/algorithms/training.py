@@ -5,6 +5,7 @@ state. ``base.py`` holds the contract; this module holds what its default ``loca
 and the methods' own loops are made of."""
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -193,15 +194,39 @@ def router_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if param_role(n) == "router"]
 
 
-def make_optimizer(params, state: ClientState, key: str, train: TrainConfig, lr: float | None = None):
+def make_optimizer(params, state: ClientState, key: str, train: TrainConfig, lr: float | None = None,
+                   fused: bool = False):
     """AdamW with the run's betas and weight decay (TrainConfig lists the sources); with
     ``optimizer_state="run"`` loaded with this client's own moments for ``key`` ("experts",
-    "router", ...), with ``"round"`` fresh (moments and bias correction start again)."""
+    "router", ...), with ``"round"`` fresh (moments and bias correction start again).
+    ``fused``: torch's fused AdamW, the same update in one pass over each tensor, where the default
+    on the CPU loops over ~10 elementwise passes (full fine-tuning of a 268M-parameter device
+    spent about 12 % of its step there, py-spy on the 2-core EPYC)."""
     opt = torch.optim.AdamW([p for _, p in params], lr=train.lr if lr is None else lr,
-                            betas=tuple(train.betas), weight_decay=train.weight_decay)
+                            betas=tuple(train.betas), weight_decay=train.weight_decay, **({"fused": True} if fused else {}))
     if train.optimizer_state == "run" and key in state.optimizers:  # this client's own moments only
         opt.load_state_dict(state.optimizers[key])
     return opt
+
+
+@contextlib.contextmanager
+def sparse_tied_embedding_grads(model: nn.Module):
+    """Within it, a model whose input embedding is tied to its output projection (Gemma-3, SmolLM2)
+    takes its embedding's gradient as sparse rows, the rows of the batch's tokens, not a dense
+    vocabulary x width tensor of zeros (262k x 640 for Gemma-3-270M) that autograd then adds to
+    the output projection's dense gradient: the tied weight's gradient is the same sum, dense, and
+    the fill and the add took about 19 % of a Gemma-3-270M full fine-tuning step (py-spy, 2-core
+    EPYC). An untied embedding is left alone (its gradient would be sparse, which AdamW refuses)."""
+    emb, out = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = isinstance(emb, nn.Embedding) and out is not None and out.weight is emb.weight and emb.weight.requires_grad
+    was = emb.sparse if tied else None
+    if tied:
+        emb.sparse = True
+    try:
+        yield tied
+    finally:
+        if tied:
+            emb.sparse = was
 
 
 def keep_optimizer(state: ClientState, key: str, opt: torch.optim.Optimizer, train: TrainConfig) -> None:
