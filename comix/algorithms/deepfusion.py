@@ -46,8 +46,7 @@ from ..models.token_align import CrossTokenizerTeacher, reads_other_tokens, reto
 from ..models.vaa import ViewAlignedAttention, stage_ends
 from ..runtime import Runtime, offload, to_cpu
 from .base import Algorithm, ClientContext, ClientState, Tensors
-from .training import (batch_generator, expert_lr, lm_loss, make_optimizer, sparse_tied_embedding_grads, step_on,
-                       train_step)
+from .training import batch_generator, expert_lr, lm_loss, make_optimizer, sparse_tied_embedding_grads, step_on, train_step
 from .deepfusion_clusters import cluster_devices, embedding_map, proxy_teachers, uploaded_models
 from .deepfusion_measures import gradient_shares, in_domain_scores
 from .global_moe import (DistilledDomains, device_key, load_device_upload, save_device_upload, save_moe,
@@ -192,15 +191,12 @@ class DeepFusion(Algorithm):
             model.load_state_dict(self._initial[self.device_spec(ctx.client)])  # this device's own start
         gen = batch_generator(state)
         model.train()
-        own_tokens = None  # a device of another family reads its text through its own tokenizer
-        if reads_other_tokens(model, self._tokenizer_dir):
-            own_tokens = retokenize(ctx.data.train, tokenizer_at(self._tokenizer_dir),
-                                    tokenizer_at(model.config.comix_tokenizer))
+        own_tokens = None if not reads_other_tokens(model, self._tokenizer_dir) else (  # another family: its own tokens
+            retokenize(ctx.data.train, tokenizer_at(self._tokenizer_dir), tokenizer_at(model.config.comix_tokenizer)))
         params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        full = not lora_layers(model)  # full fine-tuning: every weight, the fused update (the same AdamW)
-        opt = make_optimizer(params, ClientState(adapters={}), "model", self.train, fused=full)  # fresh: one round
-        scaler = ctx.runtime.grad_scaler()
-        losses = []
+        # fresh: one round; full fine-tuning (every weight) by the fused AdamW, the same update
+        opt = make_optimizer(params, ClientState(adapters={}), "model", self.train, fused=not lora_layers(model))
+        scaler, losses = ctx.runtime.grad_scaler(), []
 
         def batch():
             return self.train_batch(ctx, gen) if own_tokens is None else \
@@ -240,8 +236,7 @@ class DeepFusion(Algorithm):
             settings["qlora"] = [rt.quant_of(ctx.client), dataclasses.asdict(self.qlora)]
         if rt.micro_batches_of(ctx.client) != 1:
             settings["micro_batches"] = rt.micro_batches_of(ctx.client)
-        if self.device_steps and rt.quant_of(ctx.client) == "none":  # trained by the fused update, sparse tied rows:
-            settings["update"] = "fused"  # other rounding than the devices cached before it, so another key
+        settings.update({"update": "fused"} if self.device_steps and rt.quant_of(ctx.client) == "none" else {})  # its rounding
         return device_key(settings, self._initial_digest[spec], ctx.data.train, batch_generator(state).get_state())
 
     # -- server ----------------------------------------------------------------------------------
