@@ -1030,13 +1030,17 @@ def test_device_steps_0_is_the_untrained_teacher_control_devices_send_their_star
         assert math.isfinite(metrics["train_loss"])
         logged.setdefault(self.device_steps, set()).add(metrics["device_steps"])  # the control's 0, not train's 2
         return state, upload, metrics
-    logged = {}
+    logged, phases = {}, []
     monkeypatch.setattr(DeepFusion, "client_round", spy)
+    monkeypatch.setattr("comix.algorithms.deepfusion.phase_step", lambda *event: phases.append(event))
     data = _domains(tmp_path / "data")
     assert main(["compare", f"corpus={data}", f"run_dir={tmp_path / 'run'}", *DF, "deepfusion.kd_steps=1",
                  "deepfusion.tune_steps=1", "--methods", "deepfusion:device_steps=0", "deepfusion", "--seeds", "1"]) == 0
     assert same[0] == [True] * 5 and same[2] == [False] * 5
     assert logged == {0: {0}, 2: {2}}
+    # each device step is reported (a Gemma device trains most of an hour on a CPU); the control reports none
+    assert sorted(e for e in phases if "device steps" in e[0]) == sorted(
+        (f"client {c}'s device steps", j, 2) for c in range(5) for j in (1, 2))
 
 
 def test_ce_only_never_reads_a_teacher_beside_untrained_devices_it_scores_as_beside_trained_ones(tmp_path):

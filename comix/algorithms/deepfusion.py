@@ -171,8 +171,7 @@ class DeepFusion(Algorithm):
                 "data_embedding": torch.zeros(self.encoder().dim)}
 
     def data_texts(self, tokens: torch.Tensor, tokenizer, seed: int) -> list[str]:
-        """Up to ``embed_examples`` windows of ``embed_tokens`` of the device's training stream,
-        decoded back to text (what the sentence encoder reads on the device)."""
+        """Up to ``embed_examples`` training windows of ``embed_tokens``, as text (the device's encoder reads it)."""
         n = max(1, len(tokens) // self.embed_tokens)
         starts = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:self.embed_examples]
         return [tokenizer.decode(tokens[s * self.embed_tokens:(s + 1) * self.embed_tokens].tolist())
@@ -207,6 +206,7 @@ class DeepFusion(Algorithm):
                     g["lr"] = expert_lr(step, self.device_steps, self.train)
                 losses.append(train_step(model, *batch(), [p for _, p in params], opt, self.train.grad_clip,
                                          scaler, ctx.runtime.micro_batches_of(ctx.client)))
+                phase_step(f"client {ctx.client}'s device steps", step + 1, self.device_steps)  # hours on a CPU
         if not losses:  # the untrained control: the loss it would start from, on one of its batches
             with torch.no_grad():
                 losses.append(lm_loss(model, *batch()))
