@@ -9,7 +9,8 @@ the trivial baseline beside them, and a verdict computed from the files:
 * with seeds >= 2, the 95 % t interval of the paired difference (``tables.paired_interval``):
   **reproduced** (it excludes 0 on the paper's side), **reversed** (on the other side) or
   **unresolved** (it holds 0), or **not reproduced** where the paper's gap is in the same units
-  and outside the interval;
+  and outside the interval; a difference resolved in the paper's direction whose interval excludes
+  the paper's gap (same units) is **reproduced in direction**, smaller or larger than the paper's;
 * with one seed: **agrees** or **disagrees** in direction, no interval (one seed cannot resolve).
 
 ``python bench/tables.py`` writes it between docs/results.md's markers (``<!-- table: results -->``)
@@ -129,6 +130,10 @@ def judge(claim: Claim, a: dict[int, float], b: dict[int, float], trivial_name: 
         out["verdict"] = ("agrees" if agrees else "disagrees") + " in direction (one seed: no interval)"
     elif (mean - half > 0) == (paper_gap > 0) and abs(mean) > half:
         out["verdict"] = "reproduced"
+        if claim.same_units and not mean - half <= paper_gap <= mean + half:  # the direction, not the size
+            size = "smaller" if abs(paper_gap) > abs(mean) + half else "larger"
+            out["verdict"] = f"reproduced in direction, {size} than the paper's gap ({paper_gap:.3g}), " \
+                             "which the interval excludes"
     elif abs(mean) > half:
         out["verdict"] = "reversed"
     elif claim.same_units and not mean - half <= paper_gap <= mean + half:

@@ -177,7 +177,7 @@ def ablation_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
         if len(common) > 1:
             sd = statistics.stdev(score[m][s] - score[ref][s] for s in common)
             rows += ["", f"The paper puts {names.get(ref, ref)} {gap:.2f} points ahead of {names.get(m, m)}; at this "
-                     f"case's spread of that difference (std {sd:.2f} over {len(common)} seeds), a 95 % interval "
+                     f"case's spread of that difference (sample std {sd:.2f} over {len(common)} seeds), a 95 % interval "
                      f"narrower than that gap needs {seeds_to_resolve(sd, gap)} seeds."]
     if majority:
         from comix.comparison import one_label_share
@@ -248,7 +248,7 @@ def compare_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
     order = [m for m in meta.get("order", []) if m in runs] + sorted(set(runs) - set(meta.get("order", [])))
     score = {m: {s: _result(d)["mean"] for s, d in by.items()} for m, by in runs.items()}
     metric = _result(next(iter(runs[order[0]].values())))["metric"].replace("_", " ")
-    rows = [f"| method | {metric}, mean (std) over seeds | seed {' / '.join(map(str, seeds))} | minus "
+    rows = [f"| method | {metric}, mean (population std) over seeds | seed {' / '.join(map(str, seeds))} | minus "
             f"{names.get(ref, ref)}: mean, 95 % interval | bytes up per client and round | trained per client |",
             "|---|---|---|---|---:|---:|"]
     for m in order:
@@ -476,7 +476,7 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
         said = (f"Chosen on the server's validation documents: {names.get(chosen, chosen)} (the lowest mean validation "
                 f"{what} over seed{'s' if len(shared) > 1 else ''} {', '.join(map(str, shared))}; test played no part).")
     out = [said, "",
-           f"| swept | validation {what}, mean (std) | test {what}, mean (std) | feature term's share of the "
+           f"| swept | validation {what}, mean (population std) | test {what}, mean (population std) | feature term's share of the "
            f"student's gradient | cosine of its gradient with CE + KL's | KD's CE minus {names.get(ref, ref)}'s on "
            "the same batches, first / last fifth of the steps | KL minus its, first / last fifth | feature loss FM, "
            "first / last fifth |",
@@ -494,7 +494,7 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
     first_swept = next(i for i, m in enumerate(order) if m in sweep)
     order = [m for m in order[:first_swept] if m not in sweep] + [chosen] + \
             [m for m in order[first_swept:] if m not in sweep]
-    out += ["", f"Test {what} per domain, mean (std) over seeds {', '.join(map(str, seeds))}:", "",
+    out += ["", f"Test {what} per domain, mean (population std) over seeds {', '.join(map(str, seeds))}:", "",
             "| method | " + " | ".join(domains) + " | mean | generated-answer accuracy % | stream log perplexity |",
             "|---" * (len(domains) + 4) + "|"]
     # the dense base is the same student on the same test split whatever the teachers: each seed's
@@ -535,7 +535,7 @@ def deepfusion_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
         sd = statistics.stdev(score(res[chosen][s]) - score(res[ref][s]) for s in common)
         need = {edge: seeds_to_resolve(sd, edge) for edge in PAPER_EDGE.values()}
         out += ["", f"At the seed-to-seed spread of {names.get(chosen, chosen)} minus {names.get(ref, ref)} on the mean "
-                f"(std {sd:.4f} over {len(common)} seeds), the seeds a 95 % interval needs to be narrower than the "
+                f"(sample std {sd:.4f} over {len(common)} seeds), the seeds a 95 % interval needs to be narrower than the "
                 "paper's edge over FedKMT (Table I, open-ended QA): "
                 + ", ".join(f"{need[edge]} for its {n} edge ({edge:.3f} nats)" for n, edge in PAPER_EDGE.items()) + "."]
     case = RESULTS / meta["case"]

@@ -329,7 +329,7 @@ def compare(config=None, *overrides: str, methods=None, seeds=None, resume=None,
         f", each seed its own data split (data seeds {cfg.data.seed})" if per_seed_split(cfg.data) else \
         f", one data split (data.seed {cfg.data.seed})"
     header = (f"{title} ({cfg.model}, {cfg.corpus}, {setup}, seeds {seeds}): "
-              "mean over users (of the last round), then mean (std) over seeds\n\n")
+              "mean over users (of the last round), then mean (population std) over seeds\n\n")
     overhead = overhead_table(run_dir, cfg.methods, seeds)
     global_tables = global_model_tables(run_dir, results, cfg.methods, seeds)
     private = privacy_table(results)

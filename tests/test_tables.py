@@ -45,7 +45,7 @@ def test_a_case_renders_paired_differences_and_a_stale_doc_is_caught(tmp_path, m
     meta = json.loads((tmp_path / "results" / "c" / "case.json").read_text())
     (tmp_path / "results" / "c" / "case.json").write_text(json.dumps({**meta, "paper_gaps": {"fedmole": 1.5}}))
     assert "The paper puts fedamole 1.50 points ahead of fedmole; at this case's spread of that difference " \
-           "(std 0.76 over 3 seeds), a 95 % interval narrower than that gap needs 4 seeds." in tables.table("c")
+           "(sample std 0.76 over 3 seeds), a 95 % interval narrower than that gap needs 4 seeds." in tables.table("c")
     # a grid saved before its seeds are all in says so above its table, and is not read
     (tmp_path / "results" / "c" / "case.json").write_text(json.dumps({**meta, "partial": "seed 1 of 1, 2, 3"}))
     assert tables.table("c").startswith("**Partial case, not to be read yet**: seed 1 of 1, 2, 3.")
@@ -108,7 +108,7 @@ def test_deepfusion_case_chooses_vaa_s_weight_on_validation_and_pairs_against_fe
     # seed differences -0.1, -0.2, -0.1: mean -0.1333, half-width 4.303 * 0.05774 / sqrt(3) = 0.1434
     assert "| deepfusion:alpha=1.0 | -0.133 [-0.277, +0.010] | -0.133 [-0.277, +0.010] | -0.133 [-0.277, +0.010] |" in out
     # at that spread (std 0.0577) the paper's edges over FedKMT (0.011, 0.021 nats) need 107 and 32 seeds
-    assert "(std 0.0577 over 3 seeds), the seeds a 95 % interval needs to be narrower than the paper's edge over " \
+    assert "(sample std 0.0577 over 3 seeds), the seeds a 95 % interval needs to be narrower than the paper's edge over " \
            "FedKMT (Table I, open-ended QA): 107 for its N = 32 edge (0.011 nats), 32 for its N = 16 edge (0.021 nats)." in out
     assert "| dense base (before distillation) | 9.000 (0.000) | 9.000 (0.000) | 9.000 (0.000) | - | 9.500 (0.000) |" in out
     assert "| fedkmt | 3.100 (0.082) | 4.100 (0.082) | 3.600 (0.082) | 1.00 (0.00) | 4.600 (0.082) |" in out
@@ -481,6 +481,20 @@ def test_a_tie_that_excludes_the_papers_gap_is_not_reproduced_only_in_the_same_u
     assert page.judge(same, a, b, "base", {}).get("verdict").startswith("not reproduced")
     other = page.Claim("P", "s", "a", "b", 3.97, 3.99, "case", False, "x")
     assert page.judge(other, a, b, "base", {})["verdict"] == "unresolved: the interval holds 0"
+
+
+def test_a_resolved_gap_a_tenth_of_the_papers_is_reproduced_in_direction_only():
+    page = _results_page()
+    a, b = {1: 3.402, 2: 3.439, 3: 3.3585}, {1: 3.403, 2: 3.441, 3: 3.360}  # a ahead by 0.001-0.002: [+0.0003, +0.0027]
+    same = page.Claim("P", "s", "a", "b", 3.97, 3.99, "case", False, "x", same_units=True)
+    assert page.judge(same, a, b, "base", {})["verdict"].startswith(
+        "reproduced in direction, smaller than the paper's gap (0.02)")
+    wide = page.Claim("P", "s", "a", "b", 3.9998, 4.0, "case", False, "x", same_units=True)  # gap 0.0002
+    assert page.judge(wide, a, b, "base", {})["verdict"].startswith("reproduced in direction, larger")
+    close = page.Claim("P", "s", "a", "b", 3.9985, 4.0, "case", False, "x", same_units=True)  # gap 0.0015, inside
+    assert page.judge(close, a, b, "base", {})["verdict"] == "reproduced"
+    other = page.Claim("P", "s", "a", "b", 3.97, 3.99, "case", False, "x")  # other units: the direction alone
+    assert page.judge(other, a, b, "base", {})["verdict"] == "reproduced"
 
 
 def test_a_partial_case_gives_what_is_in_so_far_and_never_a_bare_verdict(tmp_path, monkeypatch):
