@@ -122,6 +122,7 @@ def judge(claim: Claim, a: dict[int, float], b: dict[int, float], trivial_name: 
     mean, half = paired_interval(diffs)
     out["gap"], out["half"] = mean, half
     best = max(out["a"], out["b"]) if claim.higher_is_better else min(out["a"], out["b"])
+    excludes_paper_gap = claim.same_units and not mean - half <= paper_gap <= mean + half
     if out["trivial"] is not None and sign * (out["trivial"] - best) >= 0:
         out["verdict"] = f"not testable at this scale: the {trivial_name} scores {out['trivial']:.2f}, " \
                          "as good as both methods"
@@ -130,13 +131,13 @@ def judge(claim: Claim, a: dict[int, float], b: dict[int, float], trivial_name: 
         out["verdict"] = ("agrees" if agrees else "disagrees") + " in direction (one seed: no interval)"
     elif (mean - half > 0) == (paper_gap > 0) and abs(mean) > half:
         out["verdict"] = "reproduced"
-        if claim.same_units and not mean - half <= paper_gap <= mean + half:  # the direction, not the size
+        if excludes_paper_gap:  # the direction, not the size
             size = "smaller" if abs(paper_gap) > abs(mean) + half else "larger"
             out["verdict"] = f"reproduced in direction, {size} than the paper's gap ({paper_gap:.3g}), " \
                              "which the interval excludes"
     elif abs(mean) > half:
         out["verdict"] = "reversed"
-    elif claim.same_units and not mean - half <= paper_gap <= mean + half:
+    elif excludes_paper_gap:
         out["verdict"] = f"not reproduced: the interval holds 0 and excludes the paper's gap ({paper_gap:.3g})"
     else:
         out["verdict"] = "unresolved: the interval holds 0"
