@@ -89,9 +89,17 @@ class Runtime:
         return PRECISIONS[self.precision]
 
     def autocast(self):
+        """The run's autocast, *without* its cast cache. torch's autocast keeps the low-precision copy
+        of every fp32 leaf tensor that requires grad (exactly the trainable weights) until the
+        outermost autocast block exits, and an optimiser step updates the weight in place, so under
+        a cached autocast that spans a client's round every later forward of a weight used
+        directly (``F.linear(x, weight)``: CoMiGS's routers, FedALT's mixer, a one-shot device's
+        whole model) would reuse the copy made at the round's start (tests/test_precision.py).
+        Frozen weights are never cached (they do not require grad), so turning the cache off costs
+        one cast of each trainable tensor per use, the cost of training it at all."""
         if self.precision == "fp32":
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.dtype)
+        return torch.autocast(self.device.type, dtype=self.dtype, cache_enabled=False)
 
     def grad_scaler(self) -> "torch.amp.GradScaler | None":
         """A dynamic loss scale for fp16 (None otherwise)."""

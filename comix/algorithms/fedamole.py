@@ -210,11 +210,14 @@ class FedAMoLE(Algorithm):
             def record(module: AMoLELinear, args, _out):
                 h = args[0].reshape(-1, args[0].shape[-1]).float()
                 n, r = module.n_active, module.cfg.r
-                if module.token_proj is not None:
-                    got = {"token": (h @ module.token_proj.t().float()).sum(0),
-                           "expert": (h @ module.expert_A[:n].reshape(n * r, -1).t().float()).reshape(-1, n, r).sum(0)}
-                else:
-                    got = {"router": (h @ module.vanilla_router.weight.t().float()).sum(0)}
+                # in fp32 under a bf16 run too: the upload's tensors are fp32 (check_upload), and a
+                # mean over thousands of tokens would lose its small differences to bf16's mantissa
+                with torch.autocast(h.device.type, enabled=False):
+                    if module.token_proj is not None:
+                        got = {"token": (h @ module.token_proj.t().float()).sum(0),
+                               "expert": (h @ module.expert_A[:n].reshape(n * r, -1).t().float()).reshape(-1, n, r).sum(0)}
+                    else:
+                        got = {"router": (h @ module.vanilla_router.weight.t().float()).sum(0)}
                 prev = sums.setdefault(name, {"n": 0})
                 prev["n"] += len(h)
                 for k, v in got.items():

@@ -209,7 +209,8 @@ def training_memory(base: nn.Module, algorithm: Algorithm, user: UserData, clien
     # before the fleet is planned): the adapters follow it, and the step runs under the autocast
     # the run trains with (comix/runtime.py), else a bf16 base meets fp32 adapters
     weight = next(p for p in base.parameters() if p.is_floating_point())
-    autocast = torch.autocast(weight.device.type, dtype=weight.dtype, enabled=weight.dtype != torch.float32)
+    autocast = torch.autocast(weight.device.type, dtype=weight.dtype, enabled=weight.dtype != torch.float32,
+                              cache_enabled=False)  # as Runtime.autocast: no cast outlives a step
     runtime = note_runtime()
     from ..algorithms.training import lm_loss
     need = {}
