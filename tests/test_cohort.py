@@ -468,24 +468,57 @@ def test_the_step_a_gpu_captures_takes_nothing_from_the_host(mlp, load_balance):
     assert host.hits == []
 
 
-def test_a_failed_cohort_round_leaves_the_models_tensors_fp32(setup, tmp_path, monkeypatch):
-    """Under bf16 a cohort computes with bf16 copies of its adapters; a round that fails half-way
-    still gives the model its fp32 masters back (restore in a ``finally``)."""
+@pytest.mark.parametrize("where", ["_optimizer", "CohortStep", "_lockstep"])
+def test_a_failed_cohort_round_leaves_the_models_tensors_fp32(setup, tmp_path, monkeypatch, where):
+    """Under bf16 a cohort computes with bf16 copies of its adapters; a round that fails anywhere
+    after the switch (loading the moments, building the step, a step) still gives the cached
+    stacked model its fp32 masters back (restore in a ``finally`` that covers all of it)."""
     import comix.algorithms.cohort as cohort
     from comix.runtime import resolve
     model, users = setup
     seen = []
+    real = cohort.CohortMasters.__init__
 
-    def failing(algorithm, stacked, *args):
-        seen.append(stacked)
-        assert {p.dtype for p in stacked.parameters() if p.requires_grad} == {torch.bfloat16}
+    def switched(self, params, dtype):
+        real(self, params, dtype)
+        seen.append(params)
+        assert {p.dtype for p in params} == {torch.bfloat16}
+
+    def failing(*args, **kwargs):
         raise RuntimeError("a step failed")
-    monkeypatch.setattr(cohort, "_lockstep", failing)
+    monkeypatch.setattr(cohort.CohortMasters, "__init__", switched)
+    monkeypatch.setattr(cohort, where, failing)
     rt = resolve("cpu", "bf16")
     with pytest.raises(RuntimeError, match="a step failed"):
         run_method(_algo("comigs-1g1s", 3), rt.prepare_base(load_base_model("tiny-llama")[0]), users,
                    tmp_path / "r", seed=5, runtime=rt)
-    assert {p.dtype for p in seen[0].parameters() if p.requires_grad} == {torch.float32}
+    assert seen and {p.dtype for p in seen[0]} == {torch.float32}
+
+
+@pytest.mark.parametrize("method", ["comigs-1g1s", "comigs-1g1s-tr"])
+def test_both_executors_draw_every_batch_through_the_methods_own_functions(setup, tmp_path, monkeypatch, method):
+    """An expert iteration's batch comes from ``Algorithm.train_batch`` and a router step's from
+    ``Algorithm.interleaved_batch``, in both executors: a method that overrides either changes both
+    alike. The spies record what each client drew, in order; a cohort that sampled a split itself
+    (or a sequential round that did) draws around them and fails this."""
+    from comix.algorithms.base import Algorithm
+    drawn = {}
+
+    def spy(name):
+        real = getattr(Algorithm, name)
+
+        def draw(self, ctx, *args):
+            x, y = real(self, ctx, *args)
+            drawn.setdefault(self.train.cohort, []).append((ctx.client, name, x.sum().item()))
+            return x, y
+        return draw
+    for name in ("train_batch", "interleaved_batch"):
+        monkeypatch.setattr(Algorithm, name, spy(name))
+    for cohort in (1, 3):
+        _run(setup, tmp_path, method, cohort)
+    per_client = {k: {c: [d for d in v if d[0] == c] for c in range(3)} for k, v in drawn.items()}
+    assert per_client[1] == per_client[3]
+    assert {n for _, n, _ in drawn[3]} == {"train_batch", "interleaved_batch"}
 
 
 def test_graphs_on_a_machine_without_cuda_is_one_line_naming_the_key(tmp_path, capsys):

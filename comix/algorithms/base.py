@@ -357,15 +357,21 @@ class Algorithm:
         named = phase.params(ctx.model)
         opt = make_optimizer(named, state, phase.key, self.train, lr=phase.lr)
         scaler = ctx.runtime.grad_scaler()
-        split = ctx.data.valid if phase.split == "valid" else ctx.data.train
         for _ in range(phase.steps):
-            x, y = sample_batch(split, self.train.batch_size, self.train.seq_len, gen)
+            x, y = self.interleaved_batch(ctx, phase, gen)
             train_step(ctx.model, x, y, [p for _, p in named], opt, self.train.grad_clip, scaler,
                        ctx.runtime.micro_batches_of(ctx.client),
                        lambda: self.train.lb_weight * model_load_balance(ctx.model, self.train.load_balance))
         keep_optimizer(state, phase.key, opt, self.train)
 
+    def interleaved_batch(self, ctx: ClientContext, phase: InterleavedSteps, gen: torch.Generator):
+        """A batch of one ``interleaved`` step, from the client's ``phase.split``: the one place both
+        executors draw it (a cohort's members each from their own generator, algorithms/cohort.py)."""
+        split = ctx.data.valid if phase.split == "valid" else ctx.data.train
+        return sample_batch(split, self.train.batch_size, self.train.seq_len, gen)
+
     def train_batch(self, ctx: ClientContext, gen: torch.Generator):
+        """A batch of one expert iteration, drawn here for both executors."""
         data = ctx.data
         if isinstance(data, list):  # pooled: the same batch size from every user (Centralized)
             xs, ys = zip(*(sample_batch(u.train, self.train.batch_size, self.train.seq_len, gen) for u in data))

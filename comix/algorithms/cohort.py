@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..data import sample_batch
 from ..models.cohort import clients_of, load_stacked, unstack
 from ..runtime import to_cpu
 from .training import ClientState, TrainConfig, batch_generator, expert_lr, model_load_balance
@@ -317,12 +316,11 @@ def _keep(opt: CohortAdamW, members: list[CohortMember], key: str, train: TrainC
             m.state.optimizers.pop(key, None)
 
 
-def _batches(members, gens, split: str, train: TrainConfig, algorithm, contexts):
-    if split == "train":  # the method's own training batch (Algorithm.train_batch)
-        xs, ys = zip(*(algorithm.train_batch(ctx, g) for ctx, g in zip(contexts, gens)))
-    else:
-        xs, ys = zip(*(sample_batch(getattr(m.data, split), train.batch_size, train.seq_len, g)
-                       for m, g in zip(members, gens)))
+def _batches(draw, gens, contexts):
+    """Each member's batch, drawn by the method's own function (``Algorithm.train_batch`` or
+    ``Algorithm.interleaved_batch``, the ones the sequential round calls) from its own generator,
+    concatenated in member order."""
+    xs, ys = zip(*(draw(ctx, g) for ctx, g in zip(contexts, gens)))
     return torch.cat(xs), torch.cat(ys)
 
 
@@ -334,7 +332,7 @@ def _lockstep(algorithm, model, members, gens, contexts, step: CohortStep, route
     losses, rows = [], {m.client: 0 for m in members}
     for _ in range(train.local_steps):
         lrs = [expert_lr(m.state.step, total, train) for m in members]
-        x, y = _batches(members, gens, "train", train, algorithm, contexts)
+        x, y = _batches(algorithm.train_batch, gens, contexts)
         losses.append(step(x, y, lrs))
         for m in members:
             rows[m.client] += x.numel() // len(members)
@@ -342,7 +340,7 @@ def _lockstep(algorithm, model, members, gens, contexts, step: CohortStep, route
         if routed and members[0].state.step % phase.every == 0:  # router steps: few, run eagerly
             ropt = _optimizer(routed, members, phase.key, train, masters)
             for _ in range(phase.steps):
-                x, y = _batches(members, gens, phase.split, train, algorithm, contexts)
+                x, y = _batches(lambda ctx, g: algorithm.interleaved_batch(ctx, phase, g), gens, contexts)
                 cohort_step(model, x, y, [p for _, p in routed], ropt, [phase.lr] * len(members), train)
                 for m in members:
                     rows[m.client] += x.numel() // len(members)
@@ -372,9 +370,10 @@ def cohort_round(algorithm, model: nn.Module, members: list[CohortMember], conte
     # every trained tensor's fp32 master, the model computing with copies in the compute dtype
     seen = {id(p) for p in params}
     masters = CohortMasters(params + [p for _, p in routed if id(p) not in seen], runtime.dtype)
-    opt = _optimizer(named, members, "experts", train, masters)
-    step = CohortStep(model, params, opt, train, capture=runtime.graphs)
-    try:
+    step = None
+    try:  # from the switch to the compute dtype on: loading the moments or building the step may fail too
+        opt = _optimizer(named, members, "experts", train, masters)
+        step = CohortStep(model, params, opt, train, capture=runtime.graphs)
         losses, rows = _lockstep(algorithm, model, members, gens, contexts, step, routed, phase, masters)
     finally:  # a failed round too leaves the model's tensors fp32 (the masters) for whatever runs next
         del step  # the captured graph's memory, before the states are read
