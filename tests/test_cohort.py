@@ -529,21 +529,24 @@ def test_graphs_on_a_machine_without_cuda_is_one_line_naming_the_key(tmp_path, c
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_a_captured_cohort_step_equals_the_eager_one(setup, precision):
+@pytest.mark.parametrize("precision,compiled", [("fp32", False), ("bf16", False), ("bf16", True)])
+def test_a_captured_cohort_step_equals_the_eager_one(setup, precision, compiled):
     """On CUDA ``CohortStep`` captures its step (forward, backward, clip, AdamW) as one CUDA graph
     after its warm-up and replays it: eight steps at changing learning rates equal the eager steps
     (a value baked into the graph at capture, a rate or step count not read from the device tensor,
     or a batch not copied into the static buffer fails this), and the capture did happen (a step
-    that reads a value back to the host cannot be captured)."""
+    that reads a value back to the host cannot be captured). With ``compiled`` the mixture runs
+    through torch.compile, as CUDA runs do by default (``compile=auto``): the compiled mixture must
+    be captured too, not fall back to eager steps."""
     import copy
     from comix.algorithms.cohort import CohortMasters, CohortStep
+    from comix.models.mixture import set_compiled
     _, stacked, _ = _stacked_pair(setup, AdapterConfig(lora=LoRAConfig(r=4), mlp="mixture", n_experts=4, top_k=2))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
     train = _train(lr=1e-3, grad_clip=0.5, weight_decay=0.01, load_balance="uniform", lb_weight=0.01)
     steps, results = [], []
     for capture in (False, True):
-        model = copy.deepcopy(stacked).cuda()
+        model = set_compiled(copy.deepcopy(stacked), compiled).cuda()
         params = [p for p in model.parameters() if p.requires_grad]
         masters = CohortMasters(params, dtype)
         step = CohortStep(model, params, CohortAdamW(params, train, master=masters.of(params)), train, capture=capture)
