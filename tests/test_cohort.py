@@ -334,6 +334,63 @@ def test_cohort_size_takes_what_memory_holds_and_falls_back_with_a_reason(setup,
     assert "instruction" in inprocess.cohort_size(_algo("fedavg", 2), model, instructions, Runtime())[1]
 
 
+def test_auto_sizing_counts_the_graphs_pool_the_eager_steps_beside_it_and_scoring():
+    """cohort_fit: a captured step holds a step's activations in its pool for the round while the
+    warm-ups and router steps run eagerly beside it (one more step's activations a client), and an
+    evaluation cohort is sized at its own need when that is larger; the CPU's cap reads training."""
+    from comix.engines.inprocess import cohort_fit
+    assert cohort_fit(1000, train_mb=100, activation_mb=60, eval_mb=0, graphs=False) == 8
+    assert cohort_fit(1000, train_mb=100, activation_mb=60, eval_mb=0, graphs=True) == 5   # 0.8 x 1000 / 160
+    assert cohort_fit(1000, train_mb=100, activation_mb=60, eval_mb=200, graphs=True) == 4  # scoring needs more
+    assert cohort_fit(1000, train_mb=100, activation_mb=60, eval_mb=0, graphs=False, cpu_cap_mb=300) == 3
+    assert cohort_fit(10, train_mb=100, activation_mb=60, eval_mb=0, graphs=False) == 1  # never none
+
+
+def test_auto_sizing_measures_the_scoring_forward_at_its_own_batch(setup):
+    """evaluation_memory grows with eval_batch_size (the fp32 logits of every window at once)."""
+    from comix.engines.inprocess import evaluation_memory
+    from comix.runtime import Runtime
+    model, users = setup
+    small, large = (evaluation_memory(model, users[0], _train(eval_batch_size=b), Runtime()) for b in (2, 8))
+    assert 0 < small and large > 3 * small
+
+
+@pytest.mark.parametrize("what", ["training", "scoring"])
+def test_a_cohort_out_of_device_memory_is_retried_smaller_and_nothing_is_lost(setup, tmp_path, monkeypatch, caplog,
+                                                                              what):
+    """A simulated memory limit of two clients: a larger cohort fails at its second step (after its
+    first has moved the stacked adapters and the step counts), or at its scoring. The round is
+    trained (scored) again in smaller cohorts from the states as they were, the run's log says so
+    (and server.jsonl, for training), the smaller size is kept, and every metric, upload and final
+    adapter equals the run one client at a time."""
+    import comix.algorithms.cohort as cohort
+    import comix.engines.inprocess as inprocess
+    real_step, real_eval = cohort.CohortStep.__call__, inprocess.evaluate_cohort
+
+    def limited_step(step, x, y, lrs):
+        if step.opt.clients > 2 and step.opt.steps[0] >= 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_step(step, x, y, lrs)
+
+    def limited_eval(model, users, *args):
+        if len(users) > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_eval(model, users, *args)
+    seq = _run(setup, tmp_path, "comigs-1g1s", 1)
+    if what == "training":
+        monkeypatch.setattr(cohort.CohortStep, "__call__", limited_step)
+    else:
+        monkeypatch.setattr(inprocess, "evaluate_cohort", limited_eval)
+    with caplog.at_level("WARNING", logger="comix"):
+        retried = _run(setup, tmp_path, "comigs-1g1s", 3)
+    _assert_same(seq, retried)
+    assert f"round 1: {what} a cohort of 3 clients ran out of device memory" in caplog.text
+    assert caplog.text.count("ran out of device memory") == 1  # the smaller size kept for the rest of the run
+    rows = [json.loads(ln) for ln in (retried[3] / "server.jsonl").read_text().splitlines()]
+    assert [r.get("cohort_retry") for r in rows] == ([{"0": 3, "1": 3, "2": 3}, None] if what == "training" else
+                                                      [None, None])
+
+
 def test_sampled_clients_out_of_step_train_apart_and_a_mixture_stacks_after_a_solo_turn(setup, tmp_path):
     """Two of three clients a round: their step counts part ways, so a round's clients group by
     steps taken (a client alone trains as one client), and a mixture model that has just trained

@@ -22,6 +22,7 @@ the others keep their own client step and run one client after another.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -358,6 +359,10 @@ def cohort_round(algorithm, model: nn.Module, members: list[CohortMember], conte
     if len({m.state.step for m in members}) != 1:
         raise ValueError("a cohort's members must have taken the same number of steps (engines group them so)")
     for m in members:
+        # the round works on copies of the states' containers: a round that fails (a cohort out of
+        # device memory, which the engine retries smaller) leaves each stored state as it was
+        m.state = dataclasses.replace(m.state, adapters=dict(m.state.adapters), optimizers=dict(m.state.optimizers),
+                                      extra=dict(m.state.extra))
         m.state = algorithm.apply_payload(m.state, m.payload)
     load_stacked(model, [m.state.adapters for m in members])
     gens = [batch_generator(m.state) for m in members]

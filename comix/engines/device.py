@@ -184,7 +184,8 @@ def planned_base_bytes(base: nn.Module) -> dict[str, float]:
 
 def training_memory(base: nn.Module, algorithm: Algorithm, user: UserData, client: int = 0,
                     measured: dict | None = None, micro_batches: tuple[int, ...] = (1,),
-                    precisions: tuple[str, ...] | None = None) -> dict[tuple[str, int], float]:
+                    precisions: tuple[str, ...] | None = None, activations: dict | None = None
+                    ) -> dict[tuple[str, int], float]:
     """MB client ``client`` of ``algorithm`` needs to train on ``user``'s data, with the
     unquantised ``base`` (on the run's device, in its dtype) at each precision (``precisions``, or
     every one the base has) and each batch in each number of ``micro_batches`` slices:
@@ -193,7 +194,8 @@ def training_memory(base: nn.Module, algorithm: Algorithm, user: UserData, clien
     gradients, AdamW's moments, fp32; with slices one more gradient, the sum the slices accumulate
     into), the peak of one training step (``Footprint``: its first batch, or that batch's first
     slice), and the process's runtime (``note_runtime``). ``measured`` memoises by adapter architecture and
-    batch shape: clients alike are measured once."""
+    batch shape: clients alike are measured once. ``activations``, when given, receives the step's
+    peak alone by the same keys (MB; what a captured CUDA graph holds for a round, cohort_size)."""
     import copy
 
     from ..models import inject_adapters
@@ -204,7 +206,9 @@ def training_memory(base: nn.Module, algorithm: Algorithm, user: UserData, clien
     precisions = tuple(q for q in planned_base_bytes(base) if precisions is None or q in precisions)
     key = (repr(cfg), tuple(x.shape), tuple(micro_batches), precisions)
     if measured is not None and key in measured:
-        return measured[key]
+        if activations is not None:
+            activations.update(measured[key][1])
+        return measured[key][0]
     # measured where and as the run holds its base (a run's base is on its device, in its dtype
     # before the fleet is planned): the adapters follow it, and the step runs under the autocast
     # the run trains with (comix/runtime.py), else a bf16 base meets fp32 adapters
@@ -213,7 +217,7 @@ def training_memory(base: nn.Module, algorithm: Algorithm, user: UserData, clien
                               cache_enabled=False)  # as Runtime.autocast: no cast outlives a step
     runtime = note_runtime()
     from ..algorithms.training import lm_loss
-    need = {}
+    need, peaks = {}, {}
     for q in precisions:
         # each precision's step on its own quantised base: dequantising a block's weights adds
         # transients the full-precision step has not (CoMiGS-1G1S on SmolLM2-135M, 1 x 128 tokens:
@@ -228,9 +232,12 @@ def training_memory(base: nn.Module, algorithm: Algorithm, user: UserData, clien
             model.zero_grad(set_to_none=True)
             trainable = params * (16 if m == 1 else 20)
             need[q, m] = runtime + (stored + trainable + footprint.peak) / 2**20
+            peaks[q, m] = footprint.peak / 2**20
         del model
     if measured is not None:
-        measured[key] = need
+        measured[key] = (need, peaks)
+    if activations is not None:
+        activations.update(peaks)
     return need
 
 

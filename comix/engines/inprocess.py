@@ -79,14 +79,48 @@ class ClientModels:
 CPU_COHORT_MB = 1536  # the CPU's largest cohort step, MB beyond the base (cohort_size)
 
 
+def cohort_fit(free_mb: float, train_mb: float, activation_mb: float, eval_mb: float, graphs: bool,
+               cpu_cap_mb: float | None = None) -> int:
+    """How many clients fit in 80 % of ``free_mb``, each needing ``train_mb`` to train (its trainable
+    state and one eager step's peak, of which ``activation_mb`` is the step's activations) and
+    ``eval_mb`` to be scored. A captured step (``graphs``: algorithms/cohort.py CohortStep) keeps
+    its activations in the graph's private pool for the whole round, and the warm-ups and
+    interleaved steps (CoMiGS's router steps) run eagerly beside that pool: one more step's
+    activations. An evaluation cohort scores ``eval_batch_size`` windows a client with fp32
+    logits, sized apart from training (it may need more a client). On the CPU at most
+    ``cpu_cap_mb`` of training need in all."""
+    per_client = max(1.0, train_mb + (activation_mb if graphs else 0.0), eval_mb)
+    fits = int(0.8 * free_mb / per_client)
+    if cpu_cap_mb is not None:
+        fits = min(fits, int(cpu_cap_mb / max(1.0, train_mb)))
+    return max(1, fits)
+
+
+def evaluation_memory(base: nn.Module, user: UserData, train, runtime: Runtime) -> float:
+    """MB one client's scoring forward needs beyond the model (``StepPeak``): ``eval_batch_size``
+    windows of ``seq_len`` tokens through the frozen base, the logits in fp32, as the perplexity
+    of a split computes it (eval/perplexity.py); a client's adapters add little beside the logits."""
+    from ..eval import perplexity
+    from .footprint import StepPeak
+    windows = train.eval_batch_size * train.seq_len + 1
+    tokens = user.tokens("valid") if user.task == "lm" else None
+    if tokens is None or len(tokens) < windows:
+        return 0.0
+    with torch.no_grad(), runtime.autocast(), StepPeak() as peak:
+        perplexity(base, tokens[:windows], train.seq_len, train.eval_batch_size)
+    return peak.peak / 2**20
+
+
 def cohort_size(algorithm: Algorithm, base: nn.Module, users: list[UserData], runtime: Runtime) -> tuple[int, str]:
     """How many clients train together in one step (``train.cohort``; algorithms/cohort.py) and,
     when a cohort was asked for but cannot be, why (one line). ``auto``: as many of the clients
-    as 80 % of the device's free memory holds, at one client's measured training need beyond
-    the frozen base (``training_memory``: trainable state and one step's activations); on the
-    CPU at most ``CPU_COHORT_MB`` of that need in all, since there a larger step is slower, not
-    faster (bench/results/cohort-cpu-fp32*.json: SmolLM2-135M's tokens/s gain 1.05-1.44x at a
-    cohort of 4 x 128 tokens, 0.9-1.5 GB a step, and no more, or less, at 16 clients' 3.5-5.9 GB)."""
+    as 80 % of the device's free memory holds (``cohort_fit``: one client's measured training need
+    beyond the frozen base, ``training_memory``, with a captured graph's pool and the eager steps
+    beside it, and its scoring forward, ``evaluation_memory``); on the CPU at most
+    ``CPU_COHORT_MB`` of that need in all, since there a larger step is slower, not faster
+    (bench/results/cohort-cpu-fp32*.json: SmolLM2-135M's tokens/s gain 1.05-1.44x at a cohort of
+    4 x 128 tokens, 0.9-1.5 GB a step, and no more, or less, at 16 clients' 3.5-5.9 GB). A plan
+    that still runs out of device memory is retried with smaller cohorts (``InProcess``)."""
     want = algorithm.train.cohort
     if want == 1:
         return 1, ""
@@ -107,19 +141,23 @@ def cohort_size(algorithm: Algorithm, base: nn.Module, users: list[UserData], ru
     from .device import planned_base_bytes, training_memory
     quant = runtime.quant_of(0)
     firsts = {repr(algorithm.adapter_config(c)): c for c in reversed(range(len(users)))}  # one client an architecture
-    need = max(training_memory(base, algorithm, users[c], c, micro_batches=(1,), precisions=(quant,))[(quant, 1)]
-               for c in firsts.values())
-    # MB beyond the base and the process's runtime (both held once, whatever the cohort), the largest client
-    per_client = max(1.0, need - note_runtime() - planned_base_bytes(base)[quant] / 2**20)
+    train_mb = activation_mb = 0.0
+    for c in firsts.values():
+        peaks: dict = {}
+        need = training_memory(base, algorithm, users[c], c, micro_batches=(1,), precisions=(quant,),
+                               activations=peaks)[(quant, 1)]
+        # MB beyond the base and the process's runtime (both held once, whatever the cohort), the largest client
+        train_mb = max(train_mb, need - note_runtime() - planned_base_bytes(base)[quant] / 2**20)
+        activation_mb = max(activation_mb, peaks[(quant, 1)])
+    eval_mb = max(evaluation_memory(base, users[c], algorithm.train, runtime) for c in firsts.values())
     if runtime.device.type == "cuda":
         free = torch.cuda.mem_get_info(runtime.device)[0] / 2**20
     else:  # Linux: what the kernel can give without swapping
         meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
         free = int(meminfo["MemAvailable"].split()[0]) / 1024
-    fits = int(0.8 * free / per_client)
-    if runtime.device.type == "cpu":
-        fits = min(fits, int(CPU_COHORT_MB / per_client))
-    return max(1, min(len(users), fits)), ""
+    fits = cohort_fit(free, train_mb, activation_mb, eval_mb, runtime.graphs,
+                      CPU_COHORT_MB if runtime.device.type == "cpu" else None)
+    return min(len(users), fits), ""
 
 
 class InProcess:
@@ -165,7 +203,40 @@ class InProcess:
             self.stacked[key] = stack_clients(self.devices[client].model, size)
         return self.stacked[key]
 
+    def _smaller(self, size: int, what: str, err: Exception) -> int:
+        """After a cohort of ``size`` ran out of device memory: the size to retry with (half, at
+        least 1), kept for the rest of the run, and said in the run's log with the error's first line."""
+        smaller = max(1, size // 2)
+        self.cohort = min(self.cohort, smaller)
+        if self.runtime.device.type == "cuda":
+            torch.cuda.empty_cache()  # the failed cohort's cached blocks, before the smaller ones
+        log.warning("round %d: %s a cohort of %d clients ran out of device memory (%s); retried in cohorts of "
+                    "at most %d, kept for the rest of the run", self.round, what, size,
+                    str(err).splitlines()[0][:120] if str(err) else type(err).__name__, smaller)
+        return smaller
+
     def _train_cohort(self, group: list[tuple[int, ClientState]], payloads) -> dict:
+        """One cohort's round; one that runs out of device memory is retried in smaller cohorts
+        (halves, down to one client alone: ``Device.train``), its clients' states untouched by the
+        failed try (cohort_round works on copies), and each retried client's metrics say so
+        (``cohort_retry``: the size that failed; serve copies it into server.jsonl)."""
+        try:
+            return self._train_cohort_once(group, payloads)
+        except torch.OutOfMemoryError as err:
+            smaller = self._smaller(len(group), "training", err)
+        out = {}
+        for i in range(0, len(group), smaller):
+            part = group[i:i + smaller]
+            if len(part) == 1:
+                c = part[0][0]
+                out[c] = self.devices[c].train(payloads[c])
+            else:
+                out.update(self._train_cohort(part, payloads))
+        for c, (_, metrics) in out.items():
+            metrics.setdefault("cohort_retry", len(group))
+        return out
+
+    def _train_cohort_once(self, group: list[tuple[int, ClientState]], payloads) -> dict:
         clients = [c for c, _ in group]
         model, a, rt = self._stacked_for(clients[0], len(group)), self.algorithm, self.runtime
         members = [CohortMember(c, self.devices[c].data, state, payloads[c]) for c, state in group]
@@ -226,26 +297,36 @@ class InProcess:
         groups: dict = {}
         for c in sorted(payloads):
             groups.setdefault(id(self.devices[c].model), []).append(c)
-        a, rt = self.algorithm, self.runtime
         for clients in groups.values():
             for i in range(0, len(clients), self.cohort):
-                part = clients[i:i + self.cohort]
-                t0 = time.perf_counter()
-                scored = None
-                if len(part) > 1:
-                    model = self._stacked_for(part[0], len(part))
-                    with rt.autocast():
-                        adapters = [a.personal_adapters(self.devices[c].context(), self.store[c], payloads[c]) for c in part]
-                    load_stacked(model, adapters)
-                    scored = evaluate_cohort(model, [self.users[c] for c in part], a.train, rt)
-                if scored is None:
-                    for c in part:
-                        results[self.users[c].name] = self.devices[c].evaluate(payloads[c], self.users[c])
-                    continue
-                seconds = (time.perf_counter() - t0) / len(part)  # the cohort's wall time, shared
-                for c, metrics in zip(part, scored):
-                    results[self.users[c].name] = {**metrics, "eval_s": round(seconds, 4)}
+                self._score(clients[i:i + self.cohort], payloads, results)
         return {u.name: results[u.name] for u in self.users if u.name in results}
+
+    def _score(self, part: list[int], payloads, results: dict) -> None:
+        """``part``'s clients scored in one cohort (or alone); a cohort that runs out of device
+        memory is scored again in halves, as training retries (``_train_cohort``)."""
+        a, rt = self.algorithm, self.runtime
+        t0 = time.perf_counter()
+        scored = None
+        if len(part) > 1:
+            model = self._stacked_for(part[0], len(part))
+            with rt.autocast():
+                adapters = [a.personal_adapters(self.devices[c].context(), self.store[c], payloads[c]) for c in part]
+            load_stacked(model, adapters)
+            try:
+                scored = evaluate_cohort(model, [self.users[c] for c in part], a.train, rt)
+            except torch.OutOfMemoryError as err:
+                smaller = self._smaller(len(part), "scoring", err)
+                for i in range(0, len(part), smaller):
+                    self._score(part[i:i + smaller], payloads, results)
+                return
+        if scored is None:
+            for c in part:
+                results[self.users[c].name] = self.devices[c].evaluate(payloads[c], self.users[c])
+            return
+        seconds = (time.perf_counter() - t0) / len(part)  # the cohort's wall time, shared
+        for c, metrics in zip(part, scored):
+            results[self.users[c].name] = {**metrics, "eval_s": round(seconds, 4)}
 
     def snapshot(self):
         """What resume needs of the clients: in memory, their states; offloaded, the round (each

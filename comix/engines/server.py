@@ -249,6 +249,9 @@ def serve(algorithm: Algorithm, transport: Transport, users: list[str], out_dir:
         dropped = {str(c): m["dropped"] for c, m in client_metrics.items() if "dropped" in m}
         if dropped:  # the fleet's absent and late devices (comix/fleet.py)
             server_row["dropped"] = dropped
+        retried = {str(c): m["cohort_retry"] for c, m in client_metrics.items() if "cohort_retry" in m}
+        if retried:  # clients whose cohort ran out of device memory and trained again in smaller ones
+            server_row["cohort_retry"] = retried
         if math.isfinite(algorithm.privacy.clip):  # the updates the clip shortened (privacy.md)
             server_row["clipped"] = sum(m.get("update_norm", 0) > algorithm.privacy.clip for m in client_metrics.values())
         if math.isfinite(algorithm.privacy.server_clip):  # the uploads the server's bound shortened
