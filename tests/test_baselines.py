@@ -289,6 +289,46 @@ def test_fdlora_fedamole_fuses_every_round_on_held_out_data_and_scores_the_fusio
     assert final.extra["fused"] and algo.personal_adapters(ctx, final, {}) is final.adapters
 
 
+class _RecordingNGOpt:
+    """Stands in for nevergrad's NGOpt: keeps the objective it is handed, returns the start."""
+    objectives = []
+
+    def __init__(self, parametrization, budget):
+        self.parametrization = parametrization
+
+    def minimize(self, objective):
+        _RecordingNGOpt.objectives.append(objective)
+        return self.parametrization
+
+
+@pytest.mark.parametrize("method,l1,reduce", [("fdlora-comigs", 0.05, "sum"), ("fdlora-fedamole", 0.05, "mean")])
+def test_fdlora_fusion_objective_adds_its_l1_term_to_the_held_out_loss(setup, monkeypatch, method, l1, reduce):
+    """The fusion objective is the held-out LM loss plus l1 x |w| (CoMiGS's FDLoRA: AdaFusion's
+    |w|_1, a sum; FedAMoLE's baseline: the mean, fdlora_fedamole.py). With the LM loss held
+    constant, the objective's rise from w = 0 is the L1 term alone: dropping it, its weight or
+    its reduction fails this."""
+    import nevergrad as ng
+    from comix.algorithms import fdlora, fdlora_fedamole
+    model, users = setup
+    module = fdlora if method == "fdlora-comigs" else fdlora_fedamole
+    monkeypatch.setattr(ng.optimizers, "NGOpt", _RecordingNGOpt)
+    monkeypatch.setattr(module, "lm_loss", lambda *a: torch.tensor(2.0))
+    _RecordingNGOpt.objectives.clear()
+    algo = make_algorithm(method, LoRAConfig(r=4), _train(local_steps=2), 3, l1=l1)
+    ctx, state = _client(algo, model, users, 0)
+    state, up, _ = algo.client_round(ctx, state, {})
+    if method == "fdlora-comigs":
+        algo.client_finish(ctx, state, up)
+    else:
+        algo.personal_adapters(ctx, state, up)
+    objective = _RecordingNGOpt.objectives[0]
+    import numpy as np
+    w = np.array([0.6, -1.0])
+    term = l1 * (np.abs(w).sum() if reduce == "sum" else np.abs(w).mean())
+    assert objective(w) - objective(np.zeros(2)) == pytest.approx(term, rel=1e-6)
+    assert objective(np.zeros(2)) == pytest.approx(2.0)
+
+
 def test_fdlora_fedamole_trains_with_adamw_decay_on_the_training_part_only(setup, monkeypatch):
     from comix.algorithms import fdlora_fedamole as module
     model, users = setup

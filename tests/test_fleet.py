@@ -44,6 +44,27 @@ def test_availability_is_drawn_per_device_and_round_from_the_seed():
     share = sum(map(sum, draws)) / 50
     assert 0.3 < share < 0.7 and draws[0] != draws[1]
     assert all(Fleet([DeviceProfile("p", 1.0, 1, 1)]).available(c, 10, 1, 3) for c in range(10))
+    # availability is the probability of being there, not of being away (0.5 cannot tell them apart)
+    for p in (0.1, 0.9):
+        fleet = Fleet([DeviceProfile("p", 1.0, 1, 1, availability=p)])
+        there = sum(fleet.available(c, 50, r, seed=3) for c in range(50) for r in range(1, 41)) / 2000
+        assert abs(there - p) < 0.04, (p, there)  # 2,000 draws: a std of at most 0.011
+
+
+def test_a_run_asks_only_the_devices_that_are_there(tmp_path):
+    """In a run, a device of availability 1 is asked every round and one of availability 0.05
+    almost never; the absent ones are recorded as unavailable, with nothing uploaded."""
+    fleet = _fleet_file(tmp_path, "profiles:\n"
+                                  "  - {name: rare, share: 0.5, memory_mb: 4096, tokens_per_s: 1000, availability: 0.05}\n"
+                                  "  - {name: always, share: 0.5, memory_mb: 4096, tokens_per_s: 1000}\n")
+    assert main(["run", *COMMON, f"fleet={fleet}", f"run_dir={tmp_path / 'run'}", "seed=1"]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "run" / "fedavg" / "server.jsonl").read_text().splitlines()]
+    fleet_of = Fleet([DeviceProfile("rare", 0.5, 1, 1, availability=0.05), DeviceProfile("always", 0.5, 1, 1)])
+    for rnd, r in enumerate(rows, 1):  # multilingual: de and fr rare, it and nl always there
+        away = {str(c) for c in range(4) if not fleet_of.available(c, 4, rnd, 1)}
+        assert set(r.get("dropped", {})) == away and set(r["dropped"].values()) <= {"unavailable"}
+        assert {"2", "3"} <= set(r["uploads"]) and not away & set(r["uploads"])
+    assert sum(len(r.get("dropped", {})) for r in rows) >= 4  # the rare devices were mostly away
 
 
 def _at(need: dict[str, float], slices: int = 1) -> dict:

@@ -139,6 +139,28 @@ def test_the_server_s_aggregate_carries_the_noise(setup, tmp_path):
         assert noise.std().item() == pytest.approx(sigma * clip / n, rel=0.15)
 
 
+def test_each_round_and_each_tensor_draws_fresh_noise(setup, tmp_path):
+    """DP-FedAvg's guarantee composes over rounds only if every round's noise is a new draw: the
+    noise the server added (a round's next payload minus the clean mean) differs between rounds
+    and between the tensors of one round, and is uncorrelated across rounds. An engine that hands
+    every round the same round number (or a generator re-seeded per tensor) fails this."""
+    sigma, clip = 0.5, 1e-3
+    algo, tr, _ = run(setup, tmp_path / "dp", privacy=PrivacyConfig(clip=clip, noise_multiplier=sigma), rounds=3,
+                      eval_every=3)
+    noises = []
+    for r in range(2):
+        names = sorted(tr.got[r][0])
+        mean = {n: torch.stack([up[n].float() for up in tr.got[r].values()]).mean(0) for n in names}
+        noises.append({n: tr.sent[r + 1][0][n].float() - mean[n] for n in names})
+    names = sorted(noises[0])
+    a, b = (torch.cat([noise[n].reshape(-1) for n in names]) for noise in noises)
+    assert float(torch.corrcoef(torch.stack([a, b]))[0, 1]).__abs__() < 0.1
+    same_shape = [n for n in names if noises[0][n].shape == noises[0][names[0]].shape]
+    assert len(same_shape) > 1 and not torch.allclose(noises[0][same_shape[0]], noises[0][same_shape[1]])
+    seeded = [GaussianSumNoise(1.0, seed=s, rnd=1)(torch.zeros(100)) for s in (1, 2)]
+    assert not torch.equal(*seeded)  # and the run's seed enters the draw, not the round alone
+
+
 def test_no_noise_and_no_clip_reproduce_the_non_private_run_exactly(setup, tmp_path):
     _, plain, res = run(setup, tmp_path / "plain")
     _, loose, res2 = run(setup, tmp_path / "loose", privacy=PrivacyConfig(clip=1e9, noise_multiplier=0.0))

@@ -35,3 +35,39 @@ def test_event_files_per_method_and_user_hold_the_metrics_rows(tmp_path):
                 assert got["gates/expert_1"] == pytest.approx(want, rel=1e-6)
             else:
                 assert got["privacy/epsilon"] == pytest.approx({k: r["epsilon"] for k, r in mine.items()}, rel=1e-6)
+
+
+def test_a_resumed_run_s_event_files_hold_each_round_once_as_the_resumed_run_wrote_it(tmp_path, monkeypatch):
+    """A run killed in round 3 after TensorBoard got that round's rows (here altered, as a killed
+    run's round can differ from the one the resume trains) but before its checkpoint: the resumed
+    run purges what was written after round 2, so every tag holds one event per round, each equal
+    to metrics.jsonl's row of the resumed run."""
+    pytest.importorskip("tensorboard")
+    from comix import tracking
+    run = tmp_path / "run"
+    args = ["run", f"corpus={_user_dirs(tmp_path / 'data')}", f"run_dir={run}", *TINY, "train.rounds=3",
+            "methods=[fedavg]", "train.tensorboard=true"]
+
+    class Killed(Exception):
+        pass
+    real = tracking.TensorBoardLog.log_rows
+
+    def killed_in_round_3(self, rows):
+        if rows and rows[0]["round"] == 3:
+            real(self, [{**r, "train_loss": r["train_loss"] + 100.0} for r in rows])
+            raise Killed
+        real(self, rows)
+    monkeypatch.setattr(tracking.TensorBoardLog, "log_rows", killed_in_round_3)
+    with pytest.raises(Killed):
+        main(args)
+    monkeypatch.setattr(tracking.TensorBoardLog, "log_rows", real)
+    assert main(["run", "--resume", str(run)]) == 0
+    rows = [json.loads(x) for x in (run / "fedavg" / "metrics.jsonl").read_text().splitlines()]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    for user in ("alice", "bob"):
+        acc = EventAccumulator(str(run / "fedavg" / "tensorboard" / user))  # as TensorBoard reads them
+        acc.Reload()
+        events = acc.Scalars("train/loss")
+        assert [e.step for e in events] == [1, 2, 3]
+        want = {r["round"]: r["train_loss"] for r in rows if r["user"] == user}
+        assert {e.step: e.value for e in events} == pytest.approx(want, rel=1e-6)
