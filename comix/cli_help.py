@@ -16,7 +16,7 @@ from pathlib import Path
 HELP_FILE = Path(__file__).with_name("cli_help.json")
 WIDTH = 100
 HIDDEN = {"explicit_train", "seeds"}  # written by comix into a run's config.yaml / compare's --seeds
-GENERAL = ("data", "train", "lora", "comigs", "privacy")  # sections every method reads
+GENERAL = ("data", "train", "lora", "comigs", "privacy", "server")  # sections every method reads
 # the methods by the paper that defines them or runs them as baselines (docs/methods.md)
 PAPERS = {
     "CoMiGS (Zhang et al., ICML 2025) and its baselines": (

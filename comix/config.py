@@ -17,6 +17,7 @@ import yaml
 from .algorithms import METHODS, REGISTRY, TrainConfig, section_of
 from .data import SplitConfig
 from .models import LoRAConfig
+from .aggregation import ServerConfig
 from .privacy import PrivacyConfig
 from .recipes import RECIPES, ConfigFileMissing, recipe_path  # noqa: F401 (RECIPES: the built-in recipes)
 
@@ -139,6 +140,7 @@ class RunConfig:
     feddpa: object = field(default_factory=SECTIONS["feddpa"])
     fedlease: object = field(default_factory=SECTIONS["fedlease"])
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)  # client-level DP (comix/privacy.py)
+    server: ServerConfig = field(default_factory=ServerConfig)     # combining rule and optimiser (comix/aggregation.py)
     # the train.* keys the recipe or command line set (written by comix into a run's config.yaml):
     # every other optimiser key takes the method's own default (Algorithm.train_defaults)
     explicit_train: list[str] = field(default_factory=list)
@@ -239,9 +241,14 @@ class RunConfig:
             raise ConfigError(f"train.optimizer_state must be run or round, got {t.optimizer_state!r}")
         if t.client_sampling not in ("fixed", "poisson"):
             raise ConfigError(f"train.client_sampling must be fixed or poisson, got {t.client_sampling!r}")
-        problem = self.privacy.problem()
+        problem = self.privacy.problem() or self.server.problem()
         if problem:
             raise ConfigError(problem)
+        if self.server.robust and (self.privacy.secure_aggregation or self.privacy.noise_multiplier > 0
+                                   or self.privacy.target_epsilon > 0):
+            raise ConfigError(f"server.aggregate={self.server.aggregate} reads each upload, which "
+                              f"{'SecAgg+ hides (the server sees only their sum)' if self.privacy.secure_aggregation else 'DP-FedAvg does not cover (its guarantee is for the noised mean of clipped updates)'}: "
+                              "use server.aggregate=mean with privacy.*")
         if t.cohort != "auto" and (not isinstance(t.cohort, int) or isinstance(t.cohort, bool) or t.cohort < 1):
             raise ConfigError(f"train.cohort must be auto or a whole number >= 1 (1: one client at a time), got {t.cohort!r}")
         if t.cohort != 1 and self.engine != "inprocess":

@@ -94,9 +94,16 @@ def build_algorithm(cfg: RunConfig, spec: str, n_users: int):
     why = REGISTRY[name][0].secure_aggregation_refusal() if mcfg.privacy.secure_aggregation else None
     if why:
         raise ConfigError(f"method {name} cannot run with privacy.secure_aggregation: {why}")
+    why = REGISTRY[name][0].server_refusal(mcfg.server)
+    if why:
+        raise ConfigError(f"method {name} cannot run with server.optimizer={mcfg.server.optimizer}, "
+                          f"server.aggregate={mcfg.server.aggregate}: {why}")
     n_clients = 1 if REGISTRY[name][0].pooled else n_users
     algo = make_algorithm(name, mcfg.lora, mcfg.train, n_clients, **mcfg.options(name))
     algo.name = spec
+    from .aggregation import ServerOptimizer
+    algo.server_config = mcfg.server
+    algo.server_optimizer = ServerOptimizer(mcfg.server) if mcfg.server.steps else None
     algo.privacy = resolve_privacy(mcfg.privacy, n_clients, mcfg.train)  # the noise calibrated to a target
     from .fleet import load_fleet
     algo.fleet = load_fleet(cfg.fleet)  # devices' availability and the round's deadline (comix/fleet.py)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..aggregation import ServerConfig, ServerOptimizer, combine
 from ..data import UserData, sample_batch
 from ..models import AdapterConfig, LoRAConfig
 from ..privacy import PrivacyConfig
@@ -107,6 +108,10 @@ class Algorithm:
         self.privacy = PrivacyConfig()            # set by specs.build_algorithm from the config
         self.fleet = None                         # the devices as they are (comix/fleet.py), likewise
         self.aggregation_noise = None             # set by the server loop each round when DP adds noise
+        # the server's combining rule and optimiser (comix/aggregation.py), set by specs.build_algorithm
+        self.server_config = ServerConfig()
+        self.server_optimizer: ServerOptimizer | None = None
+        self.round_start: Tensors = {}            # the tensors the round's clients started from (serve sets it)
 
     # -- which model a client trains -------------------------------------------------------------
     def device_spec(self, client: int) -> str | None:
@@ -234,8 +239,42 @@ class Algorithm:
 
     def aggregate(self, uploads: dict[int, Tensors]) -> Tensors:
         """The mean of each uploaded tensor over its uploaders, with DP-FedAvg's noise on each sum
-        when the run adds it: every DP-capable server step averages through here."""
-        return average(uploads, self.aggregation_noise)
+        when the run adds it (every DP-capable server step averages through here), or the run's
+        robust rule (``server.aggregate``); then the server's optimiser step, if the run has one."""
+        if self.server_config.robust:
+            return self.server_step(combine(uploads, self.server_config))
+        return self.server_step(average(uploads, self.aggregation_noise))
+
+    def server_step(self, combined: Tensors) -> Tensors:
+        """``server.optimizer``'s step from the round's start to ``combined`` (the combined uploads
+        are the next global tensors without one: FedAvg)."""
+        if self.server_optimizer is None:
+            return combined
+        return self.server_optimizer.step(self.round_start, combined)
+
+    # Offered where the server's step is one combination of the uploads per tensor followed by the
+    # broadcast (this base's ``server_round``, or a subclass that says ``server_combines``);
+    # ``server_optimizer_reason`` names a method that already steps an optimiser of its own.
+    server_combines = False
+    server_optimizer_reason: str | None = None
+
+    @classmethod
+    def server_refusal(cls, cfg: ServerConfig) -> str | None:
+        """Why this method cannot run with ``cfg`` (a server optimiser or a robust rule), one line, or None."""
+        if not cfg.steps and not cfg.robust:
+            return None
+        if cls.pooled or not cls.trains:
+            return "it uploads nothing (one pooled model or no training): the server has nothing to combine"
+        if cls.is_shared is Algorithm.is_shared:
+            return "it shares nothing (every adapter stays on its device)"
+        if cls.server_optimizer_reason:
+            return cls.server_optimizer_reason
+        if not cls.server_combines and cls.server_round is not Algorithm.server_round:
+            return "its server step is not one combination of the uploads per tensor (per-client payloads, ranks, " \
+                   "clusters or stacking), so there is no round update to step from"
+        if cfg.aggregate == "krum" and cls.server_round is not Algorithm.server_round:
+            return "server.aggregate=krum compares whole uploads, and its clients upload different tensors"
+        return None
 
     def shape_ok(self, name: str, shape: tuple, expected: tuple) -> bool:
         return shape == expected
@@ -262,7 +301,7 @@ class Algorithm:
     def server_round_of_sum(self, server_state, total: Tensors, count: int) -> tuple[Any, dict[int, Tensors]]:
         """``server_round`` when the server holds only the sum of ``count`` uploads (secure
         aggregation): the same mean, with DP's noise on the same sums in the same order."""
-        mean = mean_of_sums(total, count, self.aggregation_noise)
+        mean = self.server_step(mean_of_sums(total, count, self.aggregation_noise))
         return server_state, {c: dict(mean) for c in range(self.n_clients)}
 
     # -- client ------------------------------------------------------------------------------------

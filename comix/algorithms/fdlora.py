@@ -43,6 +43,8 @@ def set_fusion(model, weights) -> None:
 class FDLoRA(Algorithm):
     name = "fdlora-comigs"
     dp_aggregate = True  # the outer step starts from the (noisy) mean of the uploads
+    server_optimizer_reason = "its server already steps an optimiser of its own on the mean (the outer SGD with " \
+                              "momentum of its authors)"
     section = "fdlora"
     lora_modules = 1
 

@@ -44,6 +44,8 @@ def fuse_adapters(weights, shared: Tensors, private: Tensors) -> Tensors:
 class FDLoRAFedAMoLE(FedIT):
     name = "fdlora-fedamole"
     dp_aggregate = True  # the outer Nesterov step starts from the (noisy) mean of the uploads
+    server_optimizer_reason = "its server already steps an optimiser of its own on the mean (the outer SGD with " \
+                              "momentum of its authors)"
     section = "fdlora_fedamole"
 
     def __init__(self, lora, train, n_clients, sync_every: int = 5, outer_lr: float = 1.0,

@@ -74,6 +74,7 @@ class FedAMoLE(Algorithm):
     # RSEA embeddings are per-client statistics, outside the clip and the epsilon (privacy.md says
     # so); the authors' --apply_dp --dp_eta noise on them is ``embed_noise``, not accounted.
     dp_aggregate = True
+    server_combines = True  # the shared tensors and each expert over its holders (eq. 22), by name
     section = "fedamole"
     evaluate_local = True  # scored after local training, before aggregation (main.py)
     fresh_optimizer_each_round = "zyc140345/FedAMoLE node.py (Client.train_experts builds Adam inside the round)"

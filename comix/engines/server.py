@@ -178,6 +178,8 @@ def serve(algorithm: Algorithm, transport: Transport, users: list[str], out_dir:
             raise ValueError(f"checkpoint {ckpt_path} is corrupt ({str(err).splitlines()[0][:80]}); delete it to "
                              f"run {algorithm.name} again from round 1, or restore it") from None
         start, server_state, payloads, reference = ck["round"], ck["server_state"], ck["payloads"], ck["reference"]
+        if algorithm.server_optimizer is not None:  # its moments and step counts, as the round left them
+            algorithm.server_optimizer.load_state_dict(ck["server_optimizer"])
         transport.restore(ck["clients"])
         torch.set_rng_state(ck["torch_rng"])
         for path in (metrics_path, server_path):  # drop what a killed round had written
@@ -200,6 +202,8 @@ def serve(algorithm: Algorithm, transport: Transport, users: list[str], out_dir:
         t0 = time.time()
         sampled = sample_clients(n_clients, train, seed, rnd + 1)
         client_metrics = {c: {"sampled": False, "bytes_up": 0, "bytes_down": 0} for c in range(n_clients)}
+        # what this round's clients start from: the server optimiser steps from it (comix/aggregation.py)
+        algorithm.round_start = {n: t for p in payloads.values() for n, t in p.items()}
         fleet = algorithm.fleet
         if fleet:  # a device that is not there this round is not asked (comix/fleet.py)
             away = [c for c in sampled if not fleet.available(c, n_clients, rnd + 1, seed)]
@@ -294,6 +298,8 @@ def serve(algorithm: Algorithm, transport: Transport, users: list[str], out_dir:
             board.log_rows(lines)
         ck = {"round": rnd + 1, "server_state": server_state, "payloads": payloads, "reference": reference,
               "clients": transport.snapshot(), "torch_rng": torch.get_rng_state()}
+        if algorithm.server_optimizer is not None:
+            ck["server_optimizer"] = algorithm.server_optimizer.state_dict()
         atomic_write(ckpt_path, lambda p: torch.save(ck, p))
         if progress:
             losses = [r["train_loss"] for r in lines if "train_loss" in r]
