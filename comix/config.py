@@ -177,6 +177,8 @@ class RunConfig:
         if not isinstance(t.eval_clients, int) or t.eval_clients < 0:
             raise ConfigError(f"train.eval_clients must be >= 0 (0: every client every evaluated round), "
                               f"got {t.eval_clients}")
+        if not isinstance(t.prox_mu, (int, float)) or t.prox_mu < 0:
+            raise ConfigError(f"train.prox_mu must be >= 0 (0: no proximal term), got {t.prox_mu!r}")
         if t.router_steps < 0:
             raise ConfigError(f"train.router_steps must be >= 0, got {t.router_steps}")
         from .eval.tasks import ROUGE

@@ -12,6 +12,7 @@ from comix.algorithms import TrainConfig, average, make_algorithm
 from comix.cli import main
 from comix.models import LoRAConfig
 from comix.privacy import GaussianSumNoise
+from test_algorithms import setup  # noqa: F401 (the shared tiny fixture)
 
 flwr_strategy = pytest.importorskip("flwr.serverapp.strategy")
 from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict  # noqa: E402
@@ -172,3 +173,54 @@ def test_what_cannot_run_is_refused_in_one_line_before_any_run_directory(tmp_pat
     assert main(["run", *TINY, *args, f"run_dir={tmp_path / 'r'}"]) != 0
     err = capsys.readouterr()
     assert words in err.out + err.err and not (tmp_path / "r").exists()
+
+
+# -- FedProx (train.prox_mu) -------------------------------------------------------------------------
+def _prox_round(method, mu, setup_model, users):
+    from comix.algorithms import ClientContext, ClientState
+    from comix.engines.device import fresh_adapters
+    from comix.engines.inprocess import ClientModels
+    algo = make_algorithm(method, LoRAConfig(r=4), TrainConfig(rounds=2, local_steps=4, batch_size=2, seq_len=16,
+                                                               lr=5e-2, prox_mu=mu, tau=2, router_steps=1), 3)
+    model = ClientModels(setup_model, algo).for_client(0)
+    state = ClientState(adapters=algo.adapters_of(fresh_adapters(model, 1)), rng=torch.Generator().manual_seed(0).get_state())
+    payload = {n: t + 0.01 for n, t in state.adapters.items() if algo.is_shared(n)}
+    state, upload, _ = algo.client_round(ClientContext(0, model, users[0], algo.train), state, payload)
+    return algo, payload, state, upload
+
+
+def test_fedprox_keeps_the_shared_adapters_near_the_rounds_payload_and_leaves_private_ones_alone(setup):
+    """With a large mu the shared tensors end the round near the payload (an anchor that moved
+    with the weights, or one taken before the payload was applied, would not hold them there),
+    while the private ones (CoMiGS's specialist) still train as far as without the term."""
+    model, users = setup
+    free = _prox_round("comigs-1g1s", 0.0, model, users)
+    held = _prox_round("comigs-1g1s", 1e3, model, users)
+    drift = [float(sum((up[n] - pay[n]).norm() for n in pay)) for _, pay, _, up in (free, held)]
+    assert drift[1] < 0.5 * drift[0]  # AdamW steps ~lr whatever the gradient: held within a few steps' reach
+    algo = held[0]
+    private = [n for n in held[2].adapters if not algo.is_shared(n) and "lora_B" in n]
+    reach = [float(sum(s.adapters[n].norm() for n in private)) for _, _, s, _ in (free, held)]
+    assert private and reach[1] > 0.5 * reach[0]  # B starts at 0: how far the specialists trained
+
+
+def test_the_proximal_term_is_mu_half_the_squared_distance_of_the_shared_parameters_only():
+    from comix.algorithms.training import proximal_anchor, proximal_term
+    shared, private = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    anchor = proximal_anchor([("s", shared), ("p", private)], lambda n: n == "s")
+    with torch.no_grad():
+        shared += torch.tensor([1.0, 2.0, 0.0])
+        private += 5.0
+    term = proximal_term(anchor, mu=0.5)
+    assert float(term) == pytest.approx(0.25 * (1 + 4))
+    term.backward()
+    assert torch.allclose(shared.grad, 0.5 * torch.tensor([1.0, 2.0, 0.0])) and private.grad is None
+    stacked = torch.nn.Parameter(torch.zeros(2, 3))
+    per_client = proximal_term([(stacked, torch.tensor([[1.0, 0, 0], [0, 0, 2.0]]))], mu=2.0, clients=2)
+    assert per_client.tolist() == [1.0, 4.0]  # each client's own distance
+
+
+def test_fedprox_refuses_what_it_cannot_reach_in_one_line(tmp_path, capsys):
+    for method, words in (("local", "shares nothing"), ("fdlora-comigs", "its own local training")):
+        assert main(["run", *TINY, f"methods=[{method}]", "train.prox_mu=0.01", f"run_dir={tmp_path / 'r'}"]) != 0
+        assert words in capsys.readouterr().err and not (tmp_path / "r").exists()

@@ -31,7 +31,7 @@ from ..privacy import PrivacyConfig
 from ..runtime import Runtime
 from .training import (ClientState, InterleavedSteps, Tensors, TrainConfig, adapter_tensors, average,
                        batch_generator, expert_lr, expert_params, keep_optimizer, load_adapters, make_optimizer,
-                       mean_of_sums, model_load_balance, train_step)
+                       mean_of_sums, model_load_balance, proximal_anchor, proximal_term, train_step)
 
 
 @dataclass
@@ -259,6 +259,18 @@ class Algorithm:
     server_optimizer_reason: str | None = None
 
     @classmethod
+    def prox_refusal(cls) -> str | None:
+        """Why ``train.prox_mu`` (FedProx) cannot apply to this method (one line), or None: it acts
+        in the contract's own local training, on the parameters the method shares."""
+        if cls.pooled or not cls.trains:
+            return "it uploads nothing (one pooled model or no training): there is no round payload to stay near"
+        if cls.is_shared is Algorithm.is_shared:
+            return "it shares nothing (every adapter stays on its device)"
+        if cls.local_training is not Algorithm.local_training:
+            return "it writes its own local training, which the proximal term does not enter"
+        return None
+
+    @classmethod
     def server_refusal(cls, cfg: ServerConfig) -> str | None:
         """Why this method cannot run with ``cfg`` (a server optimiser or a robust rule), one line, or None."""
         if not cfg.steps and not cfg.robust:
@@ -368,6 +380,8 @@ class Algorithm:
         opt = make_optimizer(params, state, "experts", self.train)
         scaler = ctx.runtime.grad_scaler()
         total = self.train.rounds * self.train.local_steps
+        mu = self.train.prox_mu
+        anchor = proximal_anchor(params, self.is_shared) if mu > 0 else []  # fixed for the round
         losses = []
         for _ in range(self.train.local_steps):
             for g in opt.param_groups:
@@ -376,7 +390,8 @@ class Algorithm:
             loss = train_step(ctx.model, x, y, [p for _, p in params], opt, self.train.grad_clip, scaler,
                               ctx.runtime.micro_batches_of(ctx.client),
                               lambda: (self.train.lb_weight * model_load_balance(ctx.model, self.train.load_balance)
-                                       + self.regularizer(ctx, state)))
+                                       + self.regularizer(ctx, state)
+                                       + (proximal_term(anchor, mu) if anchor else 0.0)))
             losses.append(loss)
             state.step += 1
             self.after_expert_step(ctx, state, gen)

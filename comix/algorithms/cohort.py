@@ -31,7 +31,7 @@ from torch import nn
 
 from ..models.cohort import clients_of, load_stacked, unstack
 from ..runtime import to_cpu
-from .training import ClientState, TrainConfig, batch_generator, expert_lr, model_load_balance
+from .training import ClientState, TrainConfig, batch_generator, expert_lr, model_load_balance, proximal_term
 
 log = logging.getLogger(__name__)
 
@@ -187,18 +187,21 @@ def cohort_lm_losses(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torc
 
 
 def cohort_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, params: list[nn.Parameter],
-                opt: CohortAdamW, lrs: list[float], train: TrainConfig) -> torch.Tensor:
+                opt: CohortAdamW, lrs: list[float], train: TrainConfig, anchor=()) -> torch.Tensor:
     """One optimiser step of every client of the cohort (``train_step`` per client): the sum of
-    the clients' losses (CE + lb_weight x load balance) differentiated w.r.t. ``params`` only,
-    each client's gradient clipped to its own norm, then ``opt``. Returns each client's CE."""
+    the clients' losses (CE + lb_weight x load balance, + FedProx's term over ``anchor``: each
+    client's shared parameters against its own round start) differentiated w.r.t. ``params``
+    only, each client's gradient clipped to its own norm, then ``opt``. Returns each client's CE."""
     opt.begin_step(lrs)
-    return _device_step(model, x, y, params, opt, train)
+    return _device_step(model, x, y, params, opt, train, anchor)
 
 
-def _device_step(model, x, y, params, opt: CohortAdamW, train: TrainConfig) -> torch.Tensor:
+def _device_step(model, x, y, params, opt: CohortAdamW, train: TrainConfig, anchor=()) -> torch.Tensor:
     """``cohort_step`` after the host's part: fixed shapes, no value read back to the host."""
     ce = cohort_lm_losses(model, x, y)
     loss = ce + train.lb_weight * model_load_balance(model, train.load_balance).to(ce.device)
+    if anchor:
+        loss = loss + proximal_term(anchor, train.prox_mu, opt.clients)
     grads = torch.autograd.grad(loss.sum(), params, allow_unused=True)
     grads = opt.flat([torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)])
     if train.grad_clip:
@@ -221,8 +224,8 @@ class CohortStep:
     WARMUP = 3  # eager steps before capture: lazy initialisation (cuBLAS handles, autograd's buffers) happens outside it
 
     def __init__(self, model: nn.Module, params: list[nn.Parameter], opt: CohortAdamW, train: TrainConfig,
-                 capture: bool = False):
-        self.model, self.params, self.opt, self.train = model, params, opt, train
+                 capture: bool = False, anchor=()):
+        self.model, self.params, self.opt, self.train, self.anchor = model, params, opt, train, anchor
         # a model whose step could not be captured once (a quantised base's outlier path reads a
         # value back, bitsandbytes' int8) is not tried again each round
         capture = capture and not getattr(model, "_cohort_capture_failed", False)
@@ -235,7 +238,7 @@ class CohortStep:
     def __call__(self, x: torch.Tensor, y: torch.Tensor, lrs: list[float]) -> torch.Tensor:
         """One step of every client on its rows of ``x`` / ``y``; returns each client's CE."""
         if not self.capture:
-            return cohort_step(self.model, x, y, self.params, self.opt, lrs, self.train)
+            return cohort_step(self.model, x, y, self.params, self.opt, lrs, self.train, self.anchor)
         # cuda:N, N > 0: warm-up, capture and replay on the model's device, not the current one
         with torch.cuda.device(self.device), self._autocast():
             self.opt.begin_step(lrs)
@@ -251,7 +254,7 @@ class CohortStep:
             if self.calls <= self.WARMUP:
                 self.side.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(self.side):
-                    out = _device_step(self.model, self.x, self.y, self.params, self.opt, self.train)
+                    out = _device_step(self.model, self.x, self.y, self.params, self.opt, self.train, self.anchor)
                 torch.cuda.current_stream(self.device).wait_stream(self.side)
                 return out
             return self._capture()
@@ -271,7 +274,7 @@ class CohortStep:
             # captured on the warm-ups' stream, of the model's device (the default capture stream is
             # one per process, made on whichever device was current first)
             with torch.cuda.graph(graph, stream=self.side):
-                self.out = _device_step(self.model, self.x, self.y, self.params, self.opt, self.train)
+                self.out = _device_step(self.model, self.x, self.y, self.params, self.opt, self.train, self.anchor)
         except Exception as err:  # noqa: BLE001 (torch.compile's errors are not all RuntimeErrors)
             # torch.cuda.graph's exit ends the capture before it restores the stream, and a broken
             # capture makes that end raise too: the stream put back by hand, the first cause logged
@@ -281,7 +284,7 @@ class CohortStep:
                         type(cause).__name__, str(cause).splitlines()[0] if str(cause) else "")
             self.capture, self.model._cohort_capture_failed = False, True
             # the step, recorded but not run, has changed nothing on the device: run it eagerly
-            return _device_step(self.model, self.x, self.y, self.params, self.opt, self.train)
+            return _device_step(self.model, self.x, self.y, self.params, self.opt, self.train, self.anchor)
         self.graph, self.captured = graph, True
         graph.replay()
         return self.out.clone()
@@ -378,7 +381,10 @@ def cohort_round(algorithm, model: nn.Module, members: list[CohortMember], conte
     step = None
     try:  # from the switch to the compute dtype on: loading the moments or building the step may fail too
         opt = _optimizer(named, members, "experts", train, masters)
-        step = CohortStep(model, params, opt, train, capture=runtime.graphs)
+        # FedProx's anchor: each member's shared tensors as the payload set them, fp32 (the masters)
+        anchor = [(p, masters.of([p]).reshape(p.shape).clone()) for n, p in named
+                  if algorithm.is_shared(n)] if train.prox_mu > 0 else []
+        step = CohortStep(model, params, opt, train, capture=runtime.graphs, anchor=anchor)
         losses, rows = _lockstep(algorithm, model, members, gens, contexts, step, routed, phase, masters)
     finally:  # a failed round too leaves the model's tensors fp32 (the masters) for whatever runs next
         del step  # the captured graph's memory, before the states are read

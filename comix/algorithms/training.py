@@ -85,6 +85,9 @@ class TrainConfig:
     # clients trained together in one step over the shared base (algorithms/cohort.py; in-process
     # engine): 1 = one after another; N = cohorts of up to N; auto = as many as memory holds
     cohort: int | str = 1
+    # FedProx (Li et al., MLSys 2020, eq. 2): mu/2 ||w - w^t||^2 added to each local step's loss,
+    # over the shared parameters only, w^t the round's payload (what the client started from)
+    prox_mu: float = 0.0
 
 
 # FedAMoLE journal Sec. V-A-4: "the Adam optimizer with ... a learning rate 5e-5 ... and a learning
@@ -341,3 +344,18 @@ class InterleavedSteps:
     split: str
     lr: float
     params: Callable[[nn.Module], list[tuple[str, nn.Parameter]]]
+
+
+def proximal_anchor(named: list[tuple[str, nn.Parameter]], is_shared) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    """FedProx's anchor: each trained shared parameter with a detached copy of its value now, at
+    the round's start (the payload it took); private parameters (specialists, routers, personal
+    LoRA) have none, so the term never reaches them."""
+    return [(p, p.detach().clone().float()) for n, p in named if is_shared(n)]
+
+
+def proximal_term(anchor: list[tuple[nn.Parameter, torch.Tensor]], mu: float, clients: int = 1) -> torch.Tensor:
+    """mu/2 x the squared distance of the shared parameters from their anchor (FedProx, eq. 2); for
+    a cohort (parameters stacked on a client axis) one term per client, shape (clients,)."""
+    if clients > 1:
+        return mu / 2 * sum((p.float() - a).pow(2).reshape(clients, -1).sum(1) for p, a in anchor)
+    return mu / 2 * sum((p.float() - a).pow(2).sum() for p, a in anchor)
