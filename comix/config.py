@@ -184,9 +184,12 @@ class RunConfig:
         from .eval.tasks import ROUGE
         if t.rouge not in ROUGE:
             raise ConfigError(f"train.rouge must be one of {', '.join(ROUGE)}, got {t.rouge!r}")
-        if t.tensorboard:
-            from .tracking import check_tensorboard
-            check_tensorboard()
+        from .tracking import check_tracker
+        for key in ("tensorboard", "mlflow", "wandb"):
+            if getattr(t, key):
+                check_tracker(key)
+        if t.wandb_mode not in ("offline", "online"):
+            raise ConfigError(f"train.wandb_mode must be offline or online, got {t.wandb_mode!r}")
         if not t.eval_splits or any(s not in ("valid", "test") for s in t.eval_splits):
             raise ConfigError(f"train.eval_splits must list valid and/or test, got {t.eval_splits}")
         if self.fleet:

@@ -82,6 +82,10 @@ class TrainConfig:
     max_new_tokens: int = 128       # generation tasks: greedy answer length cap (FedAMoLE's evaluator)
     rouge: str = "rouge"            # Rouge-L of generations: rouge (the authors' package) | rouge-score (eval/tasks.py)
     tensorboard: bool = False       # also TensorBoard event files per method and user (comix/tracking.py)
+    mlflow: bool = False            # also an MLflow run per method: a local store in its folder, or mlflow_uri
+    mlflow_uri: str = ""            # an MLflow tracking server or store URI ("" = <method folder>/mlflow.db)
+    wandb: bool = False             # also a W&B run per method (comix/tracking.py)
+    wandb_mode: str = "offline"     # offline (synced later by wandb sync) | online
     # clients trained together in one step over the shared base (algorithms/cohort.py; in-process
     # engine): 1 = one after another; N = cohorts of up to N; auto = as many as memory holds
     cohort: int | str = 1

@@ -35,7 +35,7 @@ from ..algorithms.base import Tensors
 from ..files import atomic_write
 from ..fleet import DEADLINE_MISSED
 from ..privacy import GaussianSumNoise, clip_upload, epsilon_after, privacy_record, sampling_of
-from ..tracking import TensorBoardLog
+from ..tracking import RunTrackers, TensorBoardLog
 
 log = logging.getLogger("comix.server")
 
@@ -196,120 +196,135 @@ def serve(algorithm: Algorithm, transport: Transport, users: list[str], out_dir:
         server_path.write_text("")
 
     board = TensorBoardLog(out_dir, purge_from=start + 1 if start else None) if train.tensorboard else None
+    trackers = None
+    if train.mlflow or train.wandb:  # comix/tracking.py: the method's settings as the tracked run's parameters
+        trackers = RunTrackers(out_dir, train, algorithm.name, {
+            "method": algorithm.name, "seed": seed, "train": asdict(train), "lora": asdict(algorithm.lora),
+            "privacy": asdict(algorithm.privacy), "server": asdict(algorithm.server_config)})
+        trackers.catch_up(start, metrics_path)
     total_up = sum(json.loads(ln).get("bytes_up", 0) for ln in metrics_path.read_text().splitlines())
     seen = {s for ln in server_path.read_text().splitlines() for s in json.loads(ln).get("signatures", {})}
-    for rnd in range(start, train.rounds):
-        t0 = time.time()
-        sampled = sample_clients(n_clients, train, seed, rnd + 1)
-        client_metrics = {c: {"sampled": False, "bytes_up": 0, "bytes_down": 0} for c in range(n_clients)}
-        # what this round's clients start from: the server optimiser steps from it (comix/aggregation.py)
-        algorithm.round_start = {n: t for p in payloads.values() for n, t in p.items()}
-        fleet = algorithm.fleet
-        if fleet:  # a device that is not there this round is not asked (comix/fleet.py)
-            away = [c for c in sampled if not fleet.available(c, n_clients, rnd + 1, seed)]
-            for c in away:
-                client_metrics[c]["dropped"] = "unavailable"
-            sampled = [c for c in sampled if c not in away]
-        if algorithm.privacy.secure_aggregation and any(reference[c] for c in sampled):
-            server_state, payloads, server_row = secure_round(algorithm, transport, server_state, payloads, sampled,
-                                                              reference, client_metrics, rnd, seed, seen)
-            replies = None
-        else:
-            replies = transport.train({c: payloads[c] for c in sampled})
-        t_train = time.time()
-        uploads = {}
-        for c in sampled if replies is not None else ():
-            reply = replies.get(c, "no reply")
-            expected = algorithm.expected_upload(server_state, c, reference[c])
-            reason = reply if isinstance(reply, str) else algorithm.check_upload(reply[0], expected)
-            down = tensor_bytes(payloads[c])
-            if reason:
-                log.warning("round %d: client %d left out of the aggregate: %s", rnd + 1, c, reason)
-                client_metrics[c] = {"sampled": True, "failed": reason, "bytes_up": 0, "bytes_down": down}
-                continue
-            client_metrics[c] = {"sampled": True, **reply[1], "bytes_up": tensor_bytes(reply[0]), "bytes_down": down}
-            if fleet:
-                client_metrics[c].update(profile=fleet.profile_of(c, n_clients).name,
-                                         device_s=round(fleet.seconds(c, n_clients, reply[1].get("tokens", 0)), 3))
-                if fleet.late(c, n_clients, reply[1].get("tokens", 0)):  # trained, but the server did not wait
-                    client_metrics[c].update(dropped="deadline", bytes_up=0)
+    try:
+        for rnd in range(start, train.rounds):
+            t0 = time.time()
+            sampled = sample_clients(n_clients, train, seed, rnd + 1)
+            client_metrics = {c: {"sampled": False, "bytes_up": 0, "bytes_down": 0} for c in range(n_clients)}
+            # what this round's clients start from: the server optimiser steps from it (comix/aggregation.py)
+            algorithm.round_start = {n: t for p in payloads.values() for n, t in p.items()}
+            fleet = algorithm.fleet
+            if fleet:  # a device that is not there this round is not asked (comix/fleet.py)
+                away = [c for c in sampled if not fleet.available(c, n_clients, rnd + 1, seed)]
+                for c in away:
+                    client_metrics[c]["dropped"] = "unavailable"
+                sampled = [c for c in sampled if c not in away]
+            if algorithm.privacy.secure_aggregation and any(reference[c] for c in sampled):
+                server_state, payloads, server_row = secure_round(algorithm, transport, server_state, payloads, sampled,
+                                                                  reference, client_metrics, rnd, seed, seen)
+                replies = None
+            else:
+                replies = transport.train({c: payloads[c] for c in sampled})
+            t_train = time.time()
+            uploads = {}
+            for c in sampled if replies is not None else ():
+                reply = replies.get(c, "no reply")
+                expected = algorithm.expected_upload(server_state, c, reference[c])
+                reason = reply if isinstance(reply, str) else algorithm.check_upload(reply[0], expected)
+                down = tensor_bytes(payloads[c])
+                if reason:
+                    log.warning("round %d: client %d left out of the aggregate: %s", rnd + 1, c, reason)
+                    client_metrics[c] = {"sampled": True, "failed": reason, "bytes_up": 0, "bytes_down": down}
                     continue
-            uploads[c] = reply[0]
-            if math.isfinite(algorithm.privacy.server_clip):  # the server's own bound (privacy.py server_clip)
-                uploads[c], norm = clip_upload(reply[0], payloads[c], algorithm.privacy.server_clip, algorithm.dp_exempt)
-                client_metrics[c]["server_norm"] = round(norm, 6)
-        if replies is not None:
-            if not uploads and sampled and not any("dropped" in m for m in client_metrics.values()):
-                raise RuntimeError(f"round {rnd + 1}: no client replied with a valid upload")
-            t_agg = time.time()
-            if uploads:  # (Poisson sampling may draw nobody: the round leaves every payload as it was)
-                algorithm.aggregation_noise = dp_noise(algorithm, seed, rnd)
-                server_state, payloads = algorithm.server_round(server_state, uploads)
-                algorithm.aggregation_noise = None
-            # what the server did this round (Table IV's aggregation latency; FedAMoLE adds its expert
-            # assignment and RSEA time, which the paper counts inside aggregation)
-            server_row = {"round": rnd + 1, "train_s": round(t_train - t0, 4),
-                          "aggregate_s": round(time.time() - t_agg, 4), **upload_record(uploads, seen)}
-        dropped = {str(c): m["dropped"] for c, m in client_metrics.items() if "dropped" in m}
-        if dropped:  # the fleet's absent and late devices (comix/fleet.py)
-            server_row["dropped"] = dropped
-        retried = {str(c): m["cohort_retry"] for c, m in client_metrics.items() if "cohort_retry" in m}
-        if retried:  # clients whose cohort ran out of device memory and trained again in smaller ones
-            server_row["cohort_retry"] = retried
-        if math.isfinite(algorithm.privacy.clip):  # the updates the clip shortened (privacy.md)
-            server_row["clipped"] = sum(m.get("update_norm", 0) > algorithm.privacy.clip for m in client_metrics.values())
-        if math.isfinite(algorithm.privacy.server_clip):  # the uploads the server's bound shortened
-            server_row["server_clipped"] = sum(m.get("server_norm", 0) > algorithm.privacy.server_clip
-                                               for m in client_metrics.values())
-        server_row.update(algorithm.server_report(server_state))
-        server_row["payload_fingerprint"] = payload_fingerprint(payloads)
-        eps = epsilon_after(algorithm.privacy, rnd + 1, n_clients, train)
-        if eps is not None:
-            server_row["epsilon"] = eps
-        if rnd + 1 == train.rounds:  # the clients take the final payload (FDLoRA fuses here)
-            transport.finish({c: payloads[c] for c in range(n_clients)})
-            payloads = {c: {} for c in range(n_clients)}
-        evaluation = {}
-        if (rnd + 1) % train.eval_every == 0 or rnd + 1 == train.rounds:
-            t_eval = time.time()
-            # a global model the server holds is scored on the server's test data (by domain);
-            # otherwise every client evaluates the model it holds
-            evaluation = algorithm.server_evaluate(server_state)
-            if evaluation is None:
-                chosen = eval_sample(n_clients, train, seed, rnd + 1)
-                evaluation = transport.evaluate({c: payloads[c] for c in chosen})
-            server_row["eval_s"] = round(time.time() - t_eval, 4)
-        with open(server_path, "a") as fh:
-            fh.write(json.dumps(server_row) + "\n")
-        lines = []
-        for u, name in enumerate(users):
-            row = {"round": rnd + 1, "iteration": (rnd + 1) * train.local_steps, "user": name,
-                   **client_metrics[client_of(u)], **({"epsilon": eps} if eps is not None else {})}
-            if algorithm.pooled:
-                row["bytes_up"] = row["bytes_down"] = 0
-            row.update(evaluation.get(name, {}))
-            lines.append(row)
-        lines += [{"round": rnd + 1, "iteration": (rnd + 1) * train.local_steps, "user": name,
-                   "evaluated_by": "server", **m} for name, m in evaluation.items() if name not in users]
-        total_up += sum(r.get("bytes_up", 0) for r in lines)
-        with open(metrics_path, "a") as fh:
-            fh.writelines(json.dumps(r) + "\n" for r in lines)
-        if board:
-            board.log_rows(lines)
-        ck = {"round": rnd + 1, "server_state": server_state, "payloads": payloads, "reference": reference,
-              "clients": transport.snapshot(), "torch_rng": torch.get_rng_state()}
-        if algorithm.server_optimizer is not None:
-            ck["server_optimizer"] = algorithm.server_optimizer.state_dict()
-        atomic_write(ckpt_path, lambda p: torch.save(ck, p))
-        if progress:
-            losses = [r["train_loss"] for r in lines if "train_loss" in r]
-            scores = [task_score(r) for r in lines]
-            progress({"round": rnd + 1, "rounds": train.rounds, "seconds": time.time() - t0, "epsilon": eps,
-                      "train_loss": sum(losses) / max(1, len(losses)),
-                      "metric": next((k for k, _ in filter(None, scores)), None),
-                      "scores": [sc[1] if sc else None for sc in scores]})
+                client_metrics[c] = {"sampled": True, **reply[1], "bytes_up": tensor_bytes(reply[0]), "bytes_down": down}
+                if fleet:
+                    client_metrics[c].update(profile=fleet.profile_of(c, n_clients).name,
+                                             device_s=round(fleet.seconds(c, n_clients, reply[1].get("tokens", 0)), 3))
+                    if fleet.late(c, n_clients, reply[1].get("tokens", 0)):  # trained, but the server did not wait
+                        client_metrics[c].update(dropped="deadline", bytes_up=0)
+                        continue
+                uploads[c] = reply[0]
+                if math.isfinite(algorithm.privacy.server_clip):  # the server's own bound (privacy.py server_clip)
+                    uploads[c], norm = clip_upload(reply[0], payloads[c], algorithm.privacy.server_clip, algorithm.dp_exempt)
+                    client_metrics[c]["server_norm"] = round(norm, 6)
+            if replies is not None:
+                if not uploads and sampled and not any("dropped" in m for m in client_metrics.values()):
+                    raise RuntimeError(f"round {rnd + 1}: no client replied with a valid upload")
+                t_agg = time.time()
+                if uploads:  # (Poisson sampling may draw nobody: the round leaves every payload as it was)
+                    algorithm.aggregation_noise = dp_noise(algorithm, seed, rnd)
+                    server_state, payloads = algorithm.server_round(server_state, uploads)
+                    algorithm.aggregation_noise = None
+                # what the server did this round (Table IV's aggregation latency; FedAMoLE adds its expert
+                # assignment and RSEA time, which the paper counts inside aggregation)
+                server_row = {"round": rnd + 1, "train_s": round(t_train - t0, 4),
+                              "aggregate_s": round(time.time() - t_agg, 4), **upload_record(uploads, seen)}
+            dropped = {str(c): m["dropped"] for c, m in client_metrics.items() if "dropped" in m}
+            if dropped:  # the fleet's absent and late devices (comix/fleet.py)
+                server_row["dropped"] = dropped
+            retried = {str(c): m["cohort_retry"] for c, m in client_metrics.items() if "cohort_retry" in m}
+            if retried:  # clients whose cohort ran out of device memory and trained again in smaller ones
+                server_row["cohort_retry"] = retried
+            if math.isfinite(algorithm.privacy.clip):  # the updates the clip shortened (privacy.md)
+                server_row["clipped"] = sum(m.get("update_norm", 0) > algorithm.privacy.clip for m in client_metrics.values())
+            if math.isfinite(algorithm.privacy.server_clip):  # the uploads the server's bound shortened
+                server_row["server_clipped"] = sum(m.get("server_norm", 0) > algorithm.privacy.server_clip
+                                                   for m in client_metrics.values())
+            server_row.update(algorithm.server_report(server_state))
+            server_row["payload_fingerprint"] = payload_fingerprint(payloads)
+            eps = epsilon_after(algorithm.privacy, rnd + 1, n_clients, train)
+            if eps is not None:
+                server_row["epsilon"] = eps
+            if rnd + 1 == train.rounds:  # the clients take the final payload (FDLoRA fuses here)
+                transport.finish({c: payloads[c] for c in range(n_clients)})
+                payloads = {c: {} for c in range(n_clients)}
+            evaluation = {}
+            if (rnd + 1) % train.eval_every == 0 or rnd + 1 == train.rounds:
+                t_eval = time.time()
+                # a global model the server holds is scored on the server's test data (by domain);
+                # otherwise every client evaluates the model it holds
+                evaluation = algorithm.server_evaluate(server_state)
+                if evaluation is None:
+                    chosen = eval_sample(n_clients, train, seed, rnd + 1)
+                    evaluation = transport.evaluate({c: payloads[c] for c in chosen})
+                server_row["eval_s"] = round(time.time() - t_eval, 4)
+            with open(server_path, "a") as fh:
+                fh.write(json.dumps(server_row) + "\n")
+            lines = []
+            for u, name in enumerate(users):
+                row = {"round": rnd + 1, "iteration": (rnd + 1) * train.local_steps, "user": name,
+                       **client_metrics[client_of(u)], **({"epsilon": eps} if eps is not None else {})}
+                if algorithm.pooled:
+                    row["bytes_up"] = row["bytes_down"] = 0
+                row.update(evaluation.get(name, {}))
+                lines.append(row)
+            lines += [{"round": rnd + 1, "iteration": (rnd + 1) * train.local_steps, "user": name,
+                       "evaluated_by": "server", **m} for name, m in evaluation.items() if name not in users]
+            total_up += sum(r.get("bytes_up", 0) for r in lines)
+            with open(metrics_path, "a") as fh:
+                fh.writelines(json.dumps(r) + "\n" for r in lines)
+            if board:
+                board.log_rows(lines)
+            ck = {"round": rnd + 1, "server_state": server_state, "payloads": payloads, "reference": reference,
+                  "clients": transport.snapshot(), "torch_rng": torch.get_rng_state()}
+            if algorithm.server_optimizer is not None:
+                ck["server_optimizer"] = algorithm.server_optimizer.state_dict()
+            atomic_write(ckpt_path, lambda p: torch.save(ck, p))
+            if trackers:  # after the checkpoint: a round reaches MLflow and W&B once (RunTrackers.catch_up)
+                trackers.log_round(rnd + 1, lines)
+            if progress:
+                losses = [r["train_loss"] for r in lines if "train_loss" in r]
+                scores = [task_score(r) for r in lines]
+                progress({"round": rnd + 1, "rounds": train.rounds, "seconds": time.time() - t0, "epsilon": eps,
+                          "train_loss": sum(losses) / max(1, len(losses)),
+                          "metric": next((k for k, _ in filter(None, scores)), None),
+                          "scores": [sc[1] if sc else None for sc in scores]})
+    except BaseException:  # a failed or interrupted run: its tracked runs end as failed, resumable
+        if trackers:
+            trackers.close(failed=True)
+        raise
     if board:
         board.close()
+    if trackers:
+        trackers.close()
     rows = [json.loads(ln) for ln in server_path.read_text().splitlines()]
     record = privacy_record(rows, algorithm.name, algorithm.privacy, sampling_of(n_clients, train),
                             algorithm.dp_refusal(), algorithm.dp_exempt)
