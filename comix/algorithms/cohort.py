@@ -321,9 +321,7 @@ def _keep(opt: CohortAdamW, members: list[CohortMember], key: str, train: TrainC
 
 
 def _batches(draw, gens, contexts):
-    """Each member's batch, drawn by the method's own function (``Algorithm.train_batch`` or
-    ``Algorithm.interleaved_batch``, the ones the sequential round calls) from its own generator,
-    concatenated in member order."""
+    """Each member's batch by the sequential round's own ``draw`` (train_batch / interleaved_batch), in member order."""
     xs, ys = zip(*(draw(ctx, g) for ctx, g in zip(contexts, gens)))
     return torch.cat(xs), torch.cat(ys)
 
@@ -362,8 +360,7 @@ def cohort_round(algorithm, model: nn.Module, members: list[CohortMember], conte
     if len({m.state.step for m in members}) != 1:
         raise ValueError("a cohort's members must have taken the same number of steps (engines group them so)")
     for m in members:
-        # the round works on copies of the states' containers: a round that fails (a cohort out of
-        # device memory, which the engine retries smaller) leaves each stored state as it was
+        # on copies of the states' containers: a failed round (retried smaller) leaves each stored state as it was
         m.state = dataclasses.replace(m.state, adapters=dict(m.state.adapters), optimizers=dict(m.state.optimizers),
                                       extra=dict(m.state.extra))
         m.state = algorithm.apply_payload(m.state, m.payload)
@@ -382,8 +379,7 @@ def cohort_round(algorithm, model: nn.Module, members: list[CohortMember], conte
     try:  # from the switch to the compute dtype on: loading the moments or building the step may fail too
         opt = _optimizer(named, members, "experts", train, masters)
         # FedProx's anchor: each member's shared tensors as the payload set them, fp32 (the masters)
-        anchor = [(p, masters.of([p]).reshape(p.shape).clone()) for n, p in named
-                  if algorithm.is_shared(n)] if train.prox_mu > 0 else []
+        anchor = [(p, masters.of([p]).reshape(p.shape).clone()) for n, p in named if algorithm.is_shared(n)] * (train.prox_mu > 0)
         step = CohortStep(model, params, opt, train, capture=runtime.graphs, anchor=anchor)
         losses, rows = _lockstep(algorithm, model, members, gens, contexts, step, routed, phase, masters)
     finally:  # a failed round too leaves the model's tensors fp32 (the masters) for whatever runs next
