@@ -29,6 +29,7 @@ from ..data import UserData, sample_batch
 from ..models import AdapterConfig, LoRAConfig
 from ..privacy import PrivacyConfig
 from ..runtime import Runtime
+from .refusals import Refusals
 from .training import (ClientState, InterleavedSteps, Tensors, TrainConfig, adapter_tensors, average,
                        batch_generator, expert_lr, expert_params, keep_optimizer, load_adapters, make_optimizer,
                        mean_of_sums, model_load_balance, proximal_anchor, proximal_term, train_step)
@@ -60,8 +61,9 @@ class ServerContext:
     seed: int = 0
 
 
-class Algorithm:
-    """Base: plain LoRA clients, nothing shared (= Local). Subclasses state what differs."""
+class Algorithm(Refusals):
+    """Base: plain LoRA clients, nothing shared (= Local). Subclasses state what differs; what a
+    method refuses to run with, and why, is answered in refusals.py."""
     name = "local"
     trains = True
     pooled = False               # one model trained on every user's data (Centralized)
@@ -75,11 +77,6 @@ class Algorithm:
     # new aggregate replaces it, and keeps that model at the end.
     evaluate_local = False
     needs_server_data = False    # the server distils / tunes / scores on data of its own (DeepFusion)
-    # Client-level DP (comix/privacy.py): offered when the server's step is a mean of the uploads
-    # through ``aggregate`` (this base's server_round, or a subclass that says ``dp_aggregate``);
-    # ``dp_refusal`` says why a method cannot offer it.
-    dp_aggregate = False
-    dp_refusal_reason: str | None = None
     # Where the authors build a new optimiser every round (a transformers Trainer per round, or
     # FedAMoLE's Adam built inside each round), the source saying so: ``train.optimizer_state`` is
     # then "round" whatever a recipe shares among its methods, because moments carried over would
@@ -175,63 +172,6 @@ class Algorithm:
         """What the server logs after a round (server.jsonl), e.g. FedAMoLE's assignment."""
         return {}
 
-    @classmethod
-    def dp_refusal(cls) -> str | None:
-        """Why this method cannot offer client-level DP (one line), or None when it can."""
-        if cls.dp_refusal_reason:
-            return cls.dp_refusal_reason
-        if cls.pooled or not cls.trains:
-            return "it uploads nothing (one pooled model or no training): there is no upload to protect"
-        if not cls.dp_aggregate and cls.server_round is not Algorithm.server_round:
-            return "its server step is not a mean of the clients' uploads, so DP-FedAvg's noisy clipped sum " \
-                   "gives it no guarantee"
-        return None
-
-    @classmethod
-    def secure_aggregation_refusal(cls) -> str | None:
-        """Why this method cannot run under secure aggregation (one line), or None. SecAgg+ gives
-        the server only the *sum* of the sampled clients' uploads, so it serves the methods whose
-        server step is that mean and nothing else (this base's ``server_round``: FedAvg, FedIT,
-        CoMiGS' generalists, FFA- and FedSA-LoRA): one fixed list of tensors per client, summed
-        over every sampled client."""
-        if cls.pooled or not cls.trains:
-            return "it uploads nothing (one pooled model or no training)"
-        if cls.is_shared is Algorithm.is_shared:
-            return "it shares nothing (every adapter stays on its device)"
-        if cls.server_round is not Algorithm.server_round:
-            return "its server step needs more than the sum of the uploads (per-client tensors, ranks, holders " \
-                   "or whole models), and SecAgg+ reveals only the sum"
-        return None
-
-    def cohort_refusal(self) -> str | None:
-        """Why this method's clients cannot train together in a cohort (algorithms/cohort.py),
-        one line, or None. A cohort runs the contract's default local round (``client_round``:
-        payload, ``local_training`` with ``train_params``, ``train_batch`` and the ``interleaved``
-        steps, upload) on adapters made of plain LoRA factors and mixture routers; a method that
-        writes any other part of its round itself keeps its own client step, one client at a time."""
-        if self.pooled or not self.trains:
-            return "it trains one pooled model or none: there is no cohort of clients"
-        if self.device_spec(0) is not None:
-            return "each device trains its own model, not adapters over the one shared base"
-        own = [name for name in ("client_round", "local_training", "regularizer", "after_expert_step", "load_state",
-                                 "save_state", "personal_adapters", "scoring")
-               if getattr(type(self), name) is not getattr(Algorithm, name)]
-        if own:
-            return f"it writes its own {', '.join(own)}: that client step runs as written, one client at a time"
-        for c in range(self.n_clients):
-            cfg = self.adapter_config(c)
-            kinds = [what for what, has in (("a personal LoRA pair", cfg.personal or cfg.attention_personal),
-                                            ("a merged update", cfg.merged), ("AMoLE modules", cfg.amole is not None),
-                                            ("FedLEASE's experts", cfg.lease is not None),
-                                            ("a soft prompt", cfg.prompt is not None),
-                                            ("unfused experts", cfg.mlp == "mixture" and not cfg.fused)) if has]
-            if kinds:
-                return f"its adapters hold {kinds[0]}, which the cohort's stacked layers do not carry"
-            if any(lora.dropout > 0 for lora in (cfg.lora, cfg.mlp_lora) if lora is not None):
-                return "its LoRA dropout draws masks from one generator per client turn, which a cohort does not " \
-                       "reproduce (equal results are the cohort's contract)"
-        return None
-
     def dp_exempt(self, name: str) -> bool:
         """Upload tensors outside DP's clip and noise (privacy.md and the epsilon say they are not
         covered); none by default."""
@@ -251,42 +191,6 @@ class Algorithm:
         if self.server_optimizer is None:
             return combined
         return self.server_optimizer.step(self.round_start, combined)
-
-    # Offered where the server's step is one combination of the uploads per tensor followed by the
-    # broadcast (this base's ``server_round``, or a subclass that says ``server_combines``);
-    # ``server_optimizer_reason`` names a method that already steps an optimiser of its own.
-    server_combines = False
-    server_optimizer_reason: str | None = None
-
-    @classmethod
-    def prox_refusal(cls) -> str | None:
-        """Why ``train.prox_mu`` (FedProx) cannot apply to this method (one line), or None: it acts
-        in the contract's own local training, on the parameters the method shares."""
-        if cls.pooled or not cls.trains:
-            return "it uploads nothing (one pooled model or no training): there is no round payload to stay near"
-        if cls.is_shared is Algorithm.is_shared:
-            return "it shares nothing (every adapter stays on its device)"
-        if cls.local_training is not Algorithm.local_training:
-            return "it writes its own local training, which the proximal term does not enter"
-        return None
-
-    @classmethod
-    def server_refusal(cls, cfg: ServerConfig) -> str | None:
-        """Why this method cannot run with ``cfg`` (a server optimiser or a robust rule), one line, or None."""
-        if not cfg.steps and not cfg.robust:
-            return None
-        if cls.pooled or not cls.trains:
-            return "it uploads nothing (one pooled model or no training): the server has nothing to combine"
-        if cls.is_shared is Algorithm.is_shared:
-            return "it shares nothing (every adapter stays on its device)"
-        if cls.server_optimizer_reason:
-            return cls.server_optimizer_reason
-        if not cls.server_combines and cls.server_round is not Algorithm.server_round:
-            return "its server step is not one combination of the uploads per tensor (per-client payloads, ranks, " \
-                   "clusters or stacking), so there is no round update to step from"
-        if cfg.aggregate == "krum" and cls.server_round is not Algorithm.server_round:
-            return "server.aggregate=krum compares whole uploads, and its clients upload different tensors"
-        return None
 
     def shape_ok(self, name: str, shape: tuple, expected: tuple) -> bool:
         return shape == expected
