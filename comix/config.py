@@ -254,6 +254,14 @@ class RunConfig:
             raise ConfigError(f"server.aggregate={self.server.aggregate} reads each upload, which "
                               f"{'SecAgg+ hides (the server sees only their sum)' if self.privacy.secure_aggregation else 'DP-FedAvg does not cover (its guarantee is for the noised mean of clipped updates)'}: "
                               "use server.aggregate=mean with privacy.*")
+        if t.scaffold:  # the variate deltas are a second upload, which neither bound covers
+            clash = ("privacy.* (DP-FedAvg clips and noises the model update only)" if self.privacy.active else
+                     "privacy.server_clip (it bounds the model update only)" if self.privacy.server_clip != float("inf") else
+                     f"server.aggregate={self.server.aggregate} (a variate's update is a sum over clients, not a vote)"
+                     if self.server.robust else None)
+            if clash:
+                raise ConfigError(f"train.scaffold uploads each tensor's control-variate delta, which {clash} leaves "
+                                  "unbounded: run SCAFFOLD without it")
         if t.cohort != "auto" and (not isinstance(t.cohort, int) or isinstance(t.cohort, bool) or t.cohort < 1):
             raise ConfigError(f"train.cohort must be auto or a whole number >= 1 (1: one client at a time), got {t.cohort!r}")
         if t.cohort != 1 and self.engine != "inprocess":

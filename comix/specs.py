@@ -97,6 +97,9 @@ def build_algorithm(cfg: RunConfig, spec: str, n_users: int):
     why = REGISTRY[name][0].prox_refusal() if mcfg.train.prox_mu > 0 else None
     if why:
         raise ConfigError(f"method {name} cannot run with train.prox_mu (FedProx): {why}")
+    why = REGISTRY[name][0].scaffold_refusal() if mcfg.train.scaffold else None
+    if why:
+        raise ConfigError(f"method {name} cannot run with train.scaffold (SCAFFOLD): {why}")
     why = REGISTRY[name][0].server_refusal(mcfg.server)
     if why:
         raise ConfigError(f"method {name} cannot run with server.optimizer={mcfg.server.optimizer}, "

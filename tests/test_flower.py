@@ -146,6 +146,34 @@ privacy: {clip: 0.05, noise_multiplier: 0.5}
             assert x["test_ppl"] == pytest.approx(y["test_ppl"], rel=1e-3)
 
 
+def test_ray_simulation_of_scaffold_under_sampling_and_secagg_equals_in_process(tmp_path):
+    """SCAFFOLD's variates through Flower's messages (their names, the payload's c, the uploads'
+    deltas) and through SecAgg+'s masked sum (c moves by the sum alone): the in-process numbers."""
+    pytest.importorskip("ray")
+    cfg = tmp_path / "scaffold.yaml"
+    cfg.write_text("""model: tiny-llama
+corpus: topics
+methods: [fedavg]
+seed: 3
+data: {clients: 6, alpha: 0.5, valid_tokens: 128, test_tokens: 128}
+train: {rounds: 3, local_steps: 2, batch_size: 2, seq_len: 32, clients_per_round: 3, eval_every: 3,
+        eval_splits: [test], scaffold: true}
+""")
+    runs = {}
+    for name, extra in (("inproc", []), ("sim", ["engine=flower-sim", "threads=2"]),
+                        ("secure", ["engine=flower-sim", "threads=2", "privacy.secure_aggregation=true"])):
+        assert main(["run", str(cfg), f"run_dir={tmp_path / name}", *extra]) == 0
+        runs[name] = _rows(tmp_path / name / "fedavg" / "metrics.jsonl")
+    b = runs["inproc"]
+    for name, rel in (("sim", 1e-4), ("secure", 1e-3)):
+        a = runs[name]
+        assert [(x["user"], x["sampled"], x["bytes_up"] if name == "sim" else 0) for x in a] == \
+            [(y["user"], y["sampled"], y["bytes_up"] if name == "sim" else 0) for y in b]
+        for x, y in zip(a, b):
+            if "test_ppl" in y:
+                assert x["test_ppl"] == pytest.approx(y["test_ppl"], rel=rel), name
+
+
 def test_ray_simulation_of_the_recent_lora_mixtures_equals_in_process(tmp_path):
     """FLoRA's catch-up stacks (a client that missed rounds merges every stack it lacks), FedALT's
     per-client rest-of-world, FedDPA's dynamic weighting and FedLEASE's clusters travel through

@@ -29,6 +29,8 @@ from ..data import UserData, sample_batch
 from ..models import AdapterConfig, LoRAConfig
 from ..privacy import PrivacyConfig
 from ..runtime import Runtime
+from .scaffold import (apply_correction, begin_control_round, control_correction, control_delta_sum,
+                       end_control_round, is_control, server_controls, split_controls, with_controls, zero_controls)
 from .refusals import Refusals
 from .training import (ClientState, InterleavedSteps, Tensors, TrainConfig, adapter_tensors, average,
                        batch_generator, expert_lr, expert_params, keep_optimizer, load_adapters, make_optimizer,
@@ -129,8 +131,10 @@ class Algorithm(Refusals):
 
     def declared_upload(self, model: nn.Module, adapters: Tensors) -> Tensors:
         """The tensors (names and shapes) this client's uploads will hold, from its freshly
-        initialised model: what the server checks every later upload against."""
-        return self.upload_of(adapters)
+        initialised model: what the server checks every later upload against (with SCAFFOLD,
+        each shared tensor's variate delta beside it: algorithms/scaffold.py)."""
+        upload = self.upload_of(adapters)
+        return with_controls(upload, zero_controls(upload)) if self.train.scaffold else upload
 
     # -- what a client carries and what may leave it ---------------------------------------------
     def adapter_config(self, client: int) -> AdapterConfig:
@@ -174,8 +178,9 @@ class Algorithm(Refusals):
 
     def dp_exempt(self, name: str) -> bool:
         """Upload tensors outside DP's clip and noise (privacy.md and the epsilon say they are not
-        covered); none by default."""
-        return False
+        covered); none by default but SCAFFOLD's variates, which are no update of a parameter (the
+        reported ``update_norm`` leaves them out; DP refuses SCAFFOLD)."""
+        return is_control(name)
 
     def aggregate(self, uploads: dict[int, Tensors]) -> Tensors:
         """The mean of each uploaded tensor over its uploaders, with DP-FedAvg's noise on each sum
@@ -211,18 +216,25 @@ class Algorithm(Refusals):
     def server_round(self, server_state, uploads: dict[int, Tensors]) -> tuple[Any, dict[int, Tensors]]:
         if not uploads or not any(uploads.values()):
             return server_state, {c: {} for c in range(self.n_clients)}
-        mean = self.aggregate(uploads)
+        mean = self.aggregate({c: split_controls(up)[0] for c, up in uploads.items()})
+        if self.train.scaffold:  # c + (1/N) x the round's sum of variate deltas (algorithms/scaffold.py)
+            mean.update(server_controls(self.round_start, control_delta_sum(uploads), self.n_clients))
         return server_state, {c: dict(mean) for c in range(self.n_clients)}
 
     def server_round_of_sum(self, server_state, total: Tensors, count: int) -> tuple[Any, dict[int, Tensors]]:
         """``server_round`` when the server holds only the sum of ``count`` uploads (secure
         aggregation): the same mean, with DP's noise on the same sums in the same order."""
+        total, controls = split_controls(total)
         mean = self.server_step(mean_of_sums(total, count, self.aggregation_noise))
+        if self.train.scaffold:  # the variates' update needs only their sum too
+            mean.update(server_controls(self.round_start, with_controls({}, controls), self.n_clients))
         return server_state, {c: dict(mean) for c in range(self.n_clients)}
 
     # -- client ------------------------------------------------------------------------------------
     def apply_payload(self, state: ClientState, payload: Tensors) -> ClientState:
         for n, t in payload.items():
+            if is_control(n):  # the server's variate, taken for the round by client_round
+                continue
             if n not in state.adapters or not self.is_shared(n):
                 raise ValueError(f"payload tensor {n!r} is not a shared parameter of this client")
             state.adapters[n] = t.detach().clone().to(state.adapters[n].dtype)
@@ -243,6 +255,7 @@ class Algorithm(Refusals):
         return state
 
     def client_round(self, ctx: ClientContext, state: ClientState, payload: Tensors):
+        begin_control_round(state.extra, payload)
         state = self.apply_payload(state, payload)
         self.load_state(ctx.model, state.adapters)
         gen = batch_generator(state)
@@ -250,8 +263,12 @@ class Algorithm(Refusals):
         losses = self.local_training(ctx, state, gen)
         state = self.save_state(ctx.model, state)
         state.rng = gen.get_state()
-        upload = self.upload_of(state.adapters)
-        return state, upload, {"train_loss": sum(losses) / max(1, len(losses))}
+        return state, self.round_upload(state, payload), {"train_loss": sum(losses) / max(1, len(losses))}
+
+    def round_upload(self, state: ClientState, payload: Tensors) -> Tensors:
+        """What leaves the device after the contract's round (both executors): the shared tensors,
+        and with SCAFFOLD each one's variate delta, from the round's start (``payload``) and end."""
+        return {**self.upload_of(state.adapters), **end_control_round(state.extra, payload, state.adapters)}
 
     def personal_adapters(self, ctx: ClientContext, state: ClientState, payload: Tensors) -> Tensors:
         """The adapters this client holds after taking ``payload`` (what it is evaluated with),
@@ -286,16 +303,21 @@ class Algorithm(Refusals):
         total = self.train.rounds * self.train.local_steps
         mu = self.train.prox_mu
         anchor = proximal_anchor(params, self.is_shared) if mu > 0 else []  # fixed for the round
+        corr = control_correction(state.extra)  # SCAFFOLD's c - c_i, None without it
+        controlled = [(p, corr[n]) for n, p in params if n in corr] if corr is not None else None
         losses = []
         for _ in range(self.train.local_steps):
+            lr = expert_lr(state.step, total, self.train)
             for g in opt.param_groups:
-                g["lr"] = expert_lr(state.step, total, self.train)
+                g["lr"] = lr
             x, y = self.train_batch(ctx, gen)
             loss = train_step(ctx.model, x, y, [p for _, p in params], opt, self.train.grad_clip, scaler,
                               ctx.runtime.micro_batches_of(ctx.client),
                               lambda: (self.train.lb_weight * model_load_balance(ctx.model, self.train.load_balance)
                                        + self.regularizer(ctx, state)
                                        + (proximal_term(anchor, mu) if anchor else 0.0)))
+            if controlled is not None:
+                apply_correction(controlled, lr, state.extra)
             losses.append(loss)
             state.step += 1
             self.after_expert_step(ctx, state, gen)

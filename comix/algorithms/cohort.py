@@ -8,14 +8,12 @@ for all rows, each client's adapters on its own rows). What the sequential execu
   * the loss: each client's mean next-token CE over its own targets plus lb_weight x its own
     load balance (f and P over its own tokens); the step differentiates their *sum*, whose
     gradient in client c's slot is client c's own gradient (no other term touches that slot);
-  * the optimiser: ``CohortAdamW``, torch's AdamW update term for term on stacked tensors, with
-    each client's learning rate (its own step on the schedule), step count and moments; the
-    moments are read from and written back to each ``ClientState`` in torch's own
-    ``AdamW.state_dict()`` form, so either executor continues the other's state;
+  * the optimiser: ``CohortAdamW``, torch's AdamW on stacked tensors with each client's rate,
+    step count and moments, kept in each ``ClientState`` as ``AdamW.state_dict()`` (either executor
+    continues the other's); FedProx's anchor and SCAFFOLD's correction are each client's own;
   * gradient clipping: each client's norm over its own slots (torch's clip_grad_norm_ rule);
-  * batches: each client's own generator, drawn in the sequential order (expert batch, then
-    the interleaved steps' batches when their period comes: CoMiGS's router steps every tau on
-    validation data, ``Algorithm.interleaved``);
+  * batches: each client's own generator, in the sequential order (expert batch, then the
+    interleaved steps' when their period comes: CoMiGS's router steps, ``Algorithm.interleaved``);
   * ``optimizer_state``: "run" loads and keeps each client's moments, "round" starts fresh.
 Which methods can run so is ``cohort_refusal``'s answer (docs/methods.md lists it per method);
 the others keep their own client step and run one client after another.
@@ -31,6 +29,7 @@ from torch import nn
 
 from ..models.cohort import clients_of, load_stacked, unstack
 from ..runtime import to_cpu
+from .scaffold import add_control_rate, begin_control_round, cohort_correction
 from .training import ClientState, TrainConfig, batch_generator, expert_lr, model_load_balance, proximal_term
 
 log = logging.getLogger(__name__)
@@ -40,15 +39,12 @@ class CohortMasters:
     """The fp32 master values of a cohort's trained parameters, side by side in one (C, P) buffer
     (C clients, P values each), while the model computes with copies in the compute dtype.
 
-    Under ``precision=bf16`` the sequential executor keeps its adapters in fp32 and autocast casts
-    each one at each use, in every forward (509 casts a step on the H200, docs/benchmarks.md "On a
-    GPU"); here the model's parameters *are* bf16 copies, so a forward casts none of them, while
-    AdamW updates the fp32 masters and writes the copies after each step: the master weights of
-    mixed-precision training (Micikevicius et al. 2018, "Mixed Precision Training", Sec. 3.1), so
-    small LoRA steps are not lost to bf16's 8-bit mantissa. The values a forward sees are the ones
-    autocast would have cast, so the step is the same step. In fp32 the model's parameters are the
-    copies and the buffer is the optimisers' (``CohortAdamW``). ``restore`` gives the model its
-    fp32 values back at the round's end (what the clients keep)."""
+    Under ``precision=bf16`` the sequential executor keeps fp32 adapters that autocast casts at each
+    use (509 casts a step on the H200, docs/benchmarks.md "On a GPU"); here the parameters *are* bf16
+    copies, AdamW updates the fp32 masters and rewrites the copies after each step: the master
+    weights of mixed-precision training (Micikevicius et al. 2018, Sec. 3.1), so small LoRA steps
+    are not lost to bf16's mantissa, and a forward sees the values autocast would have cast. In
+    fp32 the copies are the parameters. ``restore`` puts the fp32 values back at the round's end."""
 
     def __init__(self, params: list[torch.Tensor], dtype: torch.dtype):
         self.params, self.dtype = params, dtype
@@ -79,17 +75,14 @@ class CohortMasters:
 
 class CohortAdamW:
     """AdamW over parameters stacked on a client axis (dim 0), each client with its own learning
-    rate, step count and moments. The update is torch.optim.AdamW's single-tensor one, term for
-    term (decoupled decay p *= 1 - lr*wd; m, v; bias corrections of the client's own step), with
-    the per-client scalars as (C, 1) tensors: AdamW is elementwise, so slot c evolves exactly as
-    client c's own optimiser would. Masters, moments and the update live in flat (C, P) buffers,
-    every parameter side by side: a handful of whole-buffer operations a step instead of eight per
-    tensor (hundreds of small launches on a GPU: SmolLM2 with LoRA carries 420 adapter tensors).
-    A step is split in two: ``begin_step`` on the host (the learning rates into a device tensor,
-    the step counts' host mirror) and ``update`` on the device, which reads no host value (step
-    counts and bias corrections are device tensors, in float64 as torch computes them on the host),
-    so it can be captured in a CUDA graph (``CohortStep``). ``master``: the parameters' fp32
-    values (``CohortMasters.of``); by default a copy of ``params``."""
+    rate, step count and moments: torch.optim.AdamW's single-tensor update term for term (decoupled
+    decay, m, v, the client's own bias corrections) with per-client scalars as (C, 1) tensors, so
+    slot c evolves as client c's own optimiser would. Masters, moments and the update are flat (C, P)
+    buffers: a few whole-buffer operations a step, not eight per tensor (SmolLM2 with LoRA carries
+    420 adapter tensors). ``begin_step`` runs on the host (rates into a device tensor, the step
+    counts' host mirror), ``update`` on the device and reads no host value (step counts and bias
+    corrections are float64 device tensors, as torch computes them), so a CUDA graph can capture it
+    (``CohortStep``). ``master``: the fp32 values (``CohortMasters.of``); by default a copy."""
 
     def __init__(self, params: list[torch.Tensor], train: TrainConfig, eps: float = 1e-8,
                  master: torch.Tensor | None = None):
@@ -101,6 +94,7 @@ class CohortAdamW:
         self.clients = params[0].shape[0]
         self.sizes = [p[0].numel() for p in params]
         self.master = self.flat(params) if master is None else master
+        self.correction: torch.Tensor | None = None  # SCAFFOLD's (C, P) c - c_i, applied after each step at lr
         self.exp_avg = torch.zeros(self.master.shape, dtype=self.master.dtype, device=self.master.device)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
         self.steps = [0] * self.clients   # host mirrors of the device's step counts and rates (state_dict)
@@ -155,6 +149,8 @@ class CohortAdamW:
         v.mul_(b2).addcmul_(grads, grads, value=1 - b2)
         denom = (v.sqrt() / bias2_sqrt).add_(self.eps)
         p.sub_(step_size * (m / denom))
+        if self.correction is not None:  # y <- y - lr (c - c_i), as Algorithm.local_training (algorithms/scaffold.py)
+            p.sub_(self.lr.to(dtype) * self.correction)
         torch._foreach_copy_(self.params, [t.view(q.shape) for t, q in zip(p.split(self.sizes, 1), self.params)])
 
     def step(self, grads: torch.Tensor, lrs: list[float]) -> None:
@@ -188,10 +184,10 @@ def cohort_lm_losses(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torc
 
 def cohort_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, params: list[nn.Parameter],
                 opt: CohortAdamW, lrs: list[float], train: TrainConfig, anchor=()) -> torch.Tensor:
-    """One optimiser step of every client of the cohort (``train_step`` per client): the sum of
-    the clients' losses (CE + lb_weight x load balance, + FedProx's term over ``anchor``: each
-    client's shared parameters against its own round start) differentiated w.r.t. ``params``
-    only, each client's gradient clipped to its own norm, then ``opt``. Returns each client's CE."""
+    """One optimiser step of every client (``train_step`` per client): the sum of the clients' losses
+    (CE + lb_weight x load balance, + FedProx's term over ``anchor``, each client's own round start)
+    differentiated w.r.t. ``params`` only, each client's gradient clipped to its own norm, then
+    ``opt`` (with SCAFFOLD's correction, if it holds one). Returns each client's CE."""
     opt.begin_step(lrs)
     return _device_step(model, x, y, params, opt, train, anchor)
 
@@ -223,8 +219,7 @@ class CohortStep:
     that fails is logged with its reason and the round goes on eagerly."""
     WARMUP = 3  # eager steps before capture: lazy initialisation (cuBLAS handles, autograd's buffers) happens outside it
 
-    def __init__(self, model: nn.Module, params: list[nn.Parameter], opt: CohortAdamW, train: TrainConfig,
-                 capture: bool = False, anchor=()):
+    def __init__(self, model, params: list[nn.Parameter], opt: CohortAdamW, train: TrainConfig, capture=False, anchor=()):
         self.model, self.params, self.opt, self.train, self.anchor = model, params, opt, train, anchor
         # a model whose step could not be captured once (a quantised base's outlier path reads a
         # value back, bitsandbytes' int8) is not tried again each round
@@ -336,9 +331,11 @@ def _lockstep(algorithm, model, members, gens, contexts, step: CohortStep, route
         lrs = [expert_lr(m.state.step, total, train) for m in members]
         x, y = _batches(algorithm.train_batch, gens, contexts)
         losses.append(step(x, y, lrs))
-        for m in members:
+        for m, lr in zip(members, lrs):
             rows[m.client] += x.numel() // len(members)
             m.state.step += 1
+            if step.opt.correction is not None:
+                add_control_rate(m.state.extra, lr)
         if routed and members[0].state.step % phase.every == 0:  # router steps: few, run eagerly
             ropt = _optimizer(routed, members, phase.key, train, masters)
             for _ in range(phase.steps):
@@ -363,6 +360,7 @@ def cohort_round(algorithm, model: nn.Module, members: list[CohortMember], conte
         # on copies of the states' containers: a failed round (retried smaller) leaves each stored state as it was
         m.state = dataclasses.replace(m.state, adapters=dict(m.state.adapters), optimizers=dict(m.state.optimizers),
                                       extra=dict(m.state.extra))
+        begin_control_round(m.state.extra, m.payload)
         m.state = algorithm.apply_payload(m.state, m.payload)
     load_stacked(model, [m.state.adapters for m in members])
     gens = [batch_generator(m.state) for m in members]
@@ -378,6 +376,8 @@ def cohort_round(algorithm, model: nn.Module, members: list[CohortMember], conte
     step = None
     try:  # from the switch to the compute dtype on: loading the moments or building the step may fail too
         opt = _optimizer(named, members, "experts", train, masters)
+        stacked = cohort_correction([m.state.extra for m in members], named)  # SCAFFOLD's, if any
+        opt.correction = None if stacked is None else opt.flat(stacked)
         # FedProx's anchor: each member's shared tensors as the payload set them, fp32 (the masters)
         anchor = [(p, masters.of([p]).reshape(p.shape).clone()) for n, p in named if algorithm.is_shared(n)] * (train.prox_mu > 0)
         step = CohortStep(model, params, opt, train, capture=runtime.graphs, anchor=anchor)
@@ -394,7 +394,6 @@ def cohort_round(algorithm, model: nn.Module, members: list[CohortMember], conte
     for m, g, adapters, client_losses in zip(members, gens, trained, per_client):
         m.state.adapters = algorithm.adapters_of(adapters)
         m.state.rng = g.get_state()
-        upload = algorithm.upload_of(m.state.adapters)
-        out.append((m.state, upload, {"train_loss": sum(client_losses) / max(1, len(client_losses)),
-                                      "tokens": rows[m.client]}))
+        out.append((m.state, algorithm.round_upload(m.state, m.payload),
+                    {"train_loss": sum(client_losses) / max(1, len(client_losses)), "tokens": rows[m.client]}))
     return out

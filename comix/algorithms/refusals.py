@@ -97,6 +97,22 @@ class Refusals:
         return None
 
     @classmethod
+    def scaffold_refusal(cls) -> str | None:
+        """Why ``train.scaffold`` (algorithms/scaffold.py) cannot apply to this method (one line), or
+        None: its variates ride on the contract's own round, from the payload to the upload and the
+        server's mean."""
+        if cls.pooled or not cls.trains:
+            return "it uploads nothing (one pooled model or no training): there is no server model to correct towards"
+        if cls.is_shared is _contract(cls).is_shared:
+            return "it shares nothing (every adapter stays on its device)"
+        own = [name for name in ("client_round", "local_training", "apply_payload", "upload_of", "declared_upload",
+                                 "server_init", "server_round", "server_round_of_sum")
+               if getattr(cls, name) is not getattr(_contract(cls), name)]
+        if own:
+            return f"it writes its own {', '.join(own)}, which SCAFFOLD's control variates do not enter"
+        return None
+
+    @classmethod
     def server_refusal(cls, cfg: ServerConfig) -> str | None:
         """Why this method cannot run with ``cfg`` (a server optimiser or a robust rule), one line, or None."""
         if not cfg.steps and not cfg.robust:

@@ -92,6 +92,9 @@ class TrainConfig:
     # FedProx (Li et al., MLSys 2020, eq. 2): mu/2 ||w - w^t||^2 added to each local step's loss,
     # over the shared parameters only, w^t the round's payload (what the client started from)
     prox_mu: float = 0.0
+    # SCAFFOLD (Karimireddy et al., ICML 2020, option II): control variates correct each local step
+    # of the shared parameters; the upload adds each one's variate delta (algorithms/scaffold.py)
+    scaffold: bool = False
 
 
 # FedAMoLE journal Sec. V-A-4: "the Adam optimizer with ... a learning rate 5e-5 ... and a learning
