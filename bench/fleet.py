@@ -28,7 +28,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from tables import RESULTS, save  # noqa: E402
+from cases import RESULTS  # noqa: E402
+from tables import save  # noqa: E402
 
 
 # the fleet as planned (quant=auto), the same with micro_batches=auto, and no budget at all

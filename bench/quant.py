@@ -24,7 +24,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from tables import RESULTS, save  # noqa: E402
+from cases import RESULTS  # noqa: E402
+from tables import save  # noqa: E402
 
 QUANTS = ("none", "int8", "q4", "nf4")
 

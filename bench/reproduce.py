@@ -76,7 +76,8 @@ def main(argv=None) -> int:
     print("\n".join(lines))
     if args.scale != "smoke" and args.save:  # the docs' Table 1 (docs/comigs.md) is made from these cases
         sys.path.insert(0, str(ROOT / "bench"))
-        from tables import RESULTS, save
+        from cases import RESULTS
+        from tables import save
         name = f"reproduce-{args.scale}-table1"
         cases = {}
         for setting, (small, paper, _) in SETTINGS.items():

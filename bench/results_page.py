@@ -21,9 +21,8 @@ from __future__ import annotations
 import json
 import statistics
 from dataclasses import dataclass
-from pathlib import Path
 
-from tables import RESULTS, _majority_label, _result, load_case, paired_interval
+from cases import RESULTS, _majority_label, _result, load_case, paired_interval
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,7 @@ def test_the_gpu_script_refuses_an_unknown_argument():
 
 def test_the_cohort_bench_table_shows_speedups_mfu_and_the_mixture_ratio():
     sys.path.insert(0, str(ROOT / "bench"))
-    from tables import cohort_table
+    from bench_tables import cohort_table
     result = {"command": "python bench/cohort.py", "machine": "x", "date": "2026-11-27", "torch": "2", "model": "m",
               "device": "cuda", "precision": "bf16", "rows": 8, "seq": 128, "reps": 5, "gemm_peak_flops": 7e14,
               "nominal_peak_flops": 9.89e14, "seconds": 60, "peak_rss_mb": 2048,

@@ -25,7 +25,7 @@ def test_every_generated_table_matches_its_result_files(capsys):
 
 def test_a_case_renders_paired_differences_and_a_stale_doc_is_caught(tmp_path, monkeypatch):
     tables = _tables()
-    monkeypatch.setattr(tables, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr(sys.modules["cases"], "RESULTS", tmp_path / "results")
     scores = {"fedamole": [10.0, 12.0, 14.0], "fedmole": [11.0, 12.5, 16.0]}
     for m, xs in scores.items():
         for seed, x in zip((1, 2, 3), xs):
@@ -39,7 +39,7 @@ def test_a_case_renders_paired_differences_and_a_stale_doc_is_caught(tmp_path, m
     out = tables.table("c")
     # differences 1, 0.5, 2: mean 1.1667, sd 0.7638, half-width 4.303 * 0.7638 / sqrt(3) = 1.8975
     assert "| fedmole | 13.17 (2.09) | 11.00 / 12.50 / 16.00 | +1.17 [-0.73, +3.06] | - |" in out
-    assert tables.paired_interval([1, 0.5, 2]) == pytest.approx((7 / 6, 4.303 * 0.763763 / 3 ** 0.5), rel=1e-4)
+    assert sys.modules["cases"].paired_interval([1, 0.5, 2]) == pytest.approx((7 / 6, 4.303 * 0.763763 / 3 ** 0.5), rel=1e-4)
     # the paper's gap (fedamole 1.5 points ahead of fedmole): at sd 0.7638, t(n-1) * 0.7638 / sqrt(n) < 1.5
     # first at n = 4 (3.182 * 0.3819 = 1.215; n = 3 gives 1.90)
     meta = json.loads((tmp_path / "results" / "c" / "case.json").read_text())
@@ -64,7 +64,7 @@ def test_deepfusion_case_chooses_vaa_s_weight_on_validation_and_pairs_against_fe
     alpha=1 is chosen and stands for the sweep below); the paired differences are the chosen spec's
     minus FedKMT's per seed; the premise row reads each device's dominant domain from partition.json."""
     tables = _tables()
-    monkeypatch.setattr(tables, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr(sys.modules["cases"], "RESULTS", tmp_path / "results")
     case = tmp_path / "results" / "df"
     #                  seed:   1     2     3      (test, valid) answer log ppl, the same in both domains
     scores = {"fedkmt": ([3.0, 3.2, 3.1], [3.0, 3.0, 3.0]),
@@ -202,25 +202,25 @@ def test_deepfusion_case_chooses_vaa_s_weight_on_validation_and_pairs_against_fe
 def test_seeds_to_resolve_is_the_first_seed_count_whose_t_interval_is_narrower_than_the_margin():
     tables = _tables()
     # half-widths at std 0.01: 12.71 x 0.01 / sqrt(2) = 0.0898, then 0.0248, 0.0159, 0.0124, 0.0105 (6 seeds)
-    assert tables.seeds_to_resolve(0.01, 0.0111) == 6
-    assert tables.seeds_to_resolve(0.01, 0.0125) == 5  # 0.01242 at 5 seeds
-    assert tables.seeds_to_resolve(0.01, 0.0124) == 6  # ... is not narrower than 0.0124
-    assert tables.seeds_to_resolve(0.001, 0.1) == 2
+    assert sys.modules["cases"].seeds_to_resolve(0.01, 0.0111) == 6
+    assert sys.modules["cases"].seeds_to_resolve(0.01, 0.0125) == 5  # 0.01242 at 5 seeds
+    assert sys.modules["cases"].seeds_to_resolve(0.01, 0.0124) == 6  # ... is not narrower than 0.0124
+    assert sys.modules["cases"].seeds_to_resolve(0.001, 0.1) == 2
 
 
 def test_steps_to_close_extends_the_line_through_the_two_fifths_to_zero():
     tables = _tables()
-    assert tables.steps_to_close(0.4, 0.3, 80) == pytest.approx(240)  # 0.1 closed in 80 steps: 0.3 in 240
-    assert tables.steps_to_close(0.03, 0.01, 80) == pytest.approx(40)
-    assert tables.steps_to_close(0.3, 0.3, 80) is None  # flat: never
-    assert tables.steps_to_close(0.2, 0.25, 80) is None  # widening: never
-    assert tables.steps_to_close(0.2, -0.01, 80) == 0  # already closed
-    assert tables.steps_to_close(0.2, 0.0, 80) == 0
+    assert sys.modules["cases"].steps_to_close(0.4, 0.3, 80) == pytest.approx(240)  # 0.1 closed in 80 steps: 0.3 in 240
+    assert sys.modules["cases"].steps_to_close(0.03, 0.01, 80) == pytest.approx(40)
+    assert sys.modules["cases"].steps_to_close(0.3, 0.3, 80) is None  # flat: never
+    assert sys.modules["cases"].steps_to_close(0.2, 0.25, 80) is None  # widening: never
+    assert sys.modules["cases"].steps_to_close(0.2, -0.01, 80) == 0  # already closed
+    assert sys.modules["cases"].steps_to_close(0.2, 0.0, 80) == 0
 
 
 def test_save_merges_runs_of_one_partition_keeps_the_named_methods_and_refuses_two_partitions(tmp_path, monkeypatch):
     tables = _tables()
-    monkeypatch.setattr(tables, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr(sys.modules["cases"], "RESULTS", tmp_path / "results")
 
     def run(name, seeds, methods, partition):
         root = tmp_path / name
@@ -259,7 +259,7 @@ def test_save_keeps_each_seed_s_own_split_where_the_case_states_a_data_seed_per_
     data seed (its partition.json becomes that seed's), keeps no one partition for the case, and
     refuses a run whose data seed is not the one the case states for its seed."""
     tables = _tables()
-    monkeypatch.setattr(tables, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr(sys.modules["cases"], "RESULTS", tmp_path / "results")
 
     def run(name, seed, data_seed, partition):
         root = tmp_path / name
@@ -294,7 +294,7 @@ def test_a_saved_part_of_a_grid_unpacked_is_resumed_where_it_stopped(tmp_path, m
     from comix.cli import main
     from test_cli import TINY, _user_dirs
     tables = _tables()
-    monkeypatch.setattr(tables, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr(sys.modules["cases"], "RESULTS", tmp_path / "results")
     data = _user_dirs(tmp_path / "data")
     first = tmp_path / "first"
     args = [f"corpus={data}", f"run_dir={first}", *TINY, "--methods", "local", "fedavg", "--seeds", "1"]
@@ -321,7 +321,7 @@ def test_a_saved_part_of_a_grid_unpacked_is_resumed_where_it_stopped(tmp_path, m
 
 def test_privacy_case_reads_each_spec_s_clip_noise_and_the_epsilon_of_its_last_round(tmp_path, monkeypatch):
     tables = _tables()
-    monkeypatch.setattr(tables, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr(sys.modules["cases"], "RESULTS", tmp_path / "results")
     case = tmp_path / "results" / "p"
     specs = {"fedavg": (27.36, None), "fedavg:privacy.clip=1.0,privacy.noise_multiplier=0.3": (3.46e8, [61.2, 42.81])}
     for m, (ppl, eps) in specs.items():
@@ -342,7 +342,7 @@ def test_privacy_case_reads_each_spec_s_clip_noise_and_the_epsilon_of_its_last_r
 
 def test_settings_case_puts_each_setting_s_case_in_its_column(tmp_path, monkeypatch):
     tables = _tables()
-    monkeypatch.setattr(tables, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr(sys.modules["cases"], "RESULTS", tmp_path / "results")
     for case, scores in (("a", {"local": [10.0, 12.0], "fedavg": [20.0, 20.0]}), ("b", {"local": [5.0, 5.0]})):
         for m, xs in scores.items():
             for seed, x in zip((1, 2), xs):
@@ -361,7 +361,7 @@ def test_settings_case_puts_each_setting_s_case_in_its_column(tmp_path, monkeypa
 
 def test_global_case_scores_each_method_and_the_dense_base_over_the_domains(tmp_path, monkeypatch):
     tables = _tables()
-    monkeypatch.setattr(tables, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr(sys.modules["cases"], "RESULTS", tmp_path / "results")
     for seed, shift in ((1, 0.0), (2, 0.2)):
         d = tmp_path / "results" / "g" / f"seed{seed}" / "fedkmt"
         d.mkdir(parents=True)
@@ -378,7 +378,7 @@ def test_global_case_scores_each_method_and_the_dense_base_over_the_domains(tmp_
 
 def test_costs_case_reads_the_compressed_logs(tmp_path, monkeypatch):
     tables = _tables()
-    monkeypatch.setattr(tables, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr(sys.modules["cases"], "RESULTS", tmp_path / "results")
     d = tmp_path / "results" / "k" / "seed1" / "fedit"
     d.mkdir(parents=True)
     (d / "results.json").write_text(json.dumps({"method": "fedit", "mean": 1.0}))
@@ -397,7 +397,7 @@ def test_a_view_case_shows_the_named_methods_of_another_case_s_runs(tmp_path, mo
     the costs kind), ``methods`` keeps the named specs only, and the footer names the run's folder
     and says how the source case's runs were made (a later seed merged there updates the view)."""
     tables = _tables()
-    monkeypatch.setattr(tables, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr(sys.modules["cases"], "RESULTS", tmp_path / "results")
     for m, x in (("fedit", 1.0), ("flora", 2.0)):
         d = tmp_path / "results" / "run" / "seed1" / m
         d.mkdir(parents=True)
@@ -422,7 +422,7 @@ def test_vaa_attribution_table_sums_each_run_s_steps_and_splits_the_fall_between
     student's share of it) and of CE's change, and on the held-out batches what the student's moves
     left; a swapped key, a share of the wrong denominator or a reversed difference changes a cell."""
     tables = _tables()
-    monkeypatch.setattr(tables, "RESULTS", tmp_path)
+    monkeypatch.setattr(sys.modules["cases"], "RESULTS", tmp_path)
 
     def step(fm, student, vaa, both, ce):
         return {"fm": fm, "fm_by_student": student, "fm_by_vaa": vaa, "fm_by_both": both, "ce_by_student": ce}
@@ -501,7 +501,7 @@ def test_a_partial_case_gives_what_is_in_so_far_and_never_a_bare_verdict(tmp_pat
     page = _results_page()
     results = tmp_path / "results"
     monkeypatch.setattr(page, "RESULTS", results)
-    monkeypatch.setattr(sys.modules["tables"], "RESULTS", results)  # load_case's folder
+    monkeypatch.setattr(sys.modules["cases"], "RESULTS", results)  # load_case's folder
     for m, x in {"a": 60.0, "b": 55.0}.items():
         d = results / "c" / "seed42" / m
         d.mkdir(parents=True)
@@ -516,7 +516,7 @@ def test_a_partial_case_gives_what_is_in_so_far_and_never_a_bare_verdict(tmp_pat
 
 def test_saving_a_case_again_keeps_its_notes(tmp_path, monkeypatch):
     tables = _tables()
-    monkeypatch.setattr(tables, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr(sys.modules["cases"], "RESULTS", tmp_path / "results")
     run = tmp_path / "run"
     (run / "fedavg").mkdir(parents=True)
     (run / "config.yaml").write_text("seed: 42\n")
