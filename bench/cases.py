@@ -60,6 +60,48 @@ def paired_interval(diffs: list[float]) -> tuple[float, float]:
     return mean, float(student_t.ppf(0.975, len(diffs) - 1)) * statistics.stdev(diffs) / len(diffs) ** 0.5
 
 
+def paired_p(diffs: list[float]) -> float:
+    """The two-sided p-value of the paired t test that the mean difference is 0 (nan below 2 seeds)."""
+    if len(diffs) < 2:
+        return float("nan")
+    sd = statistics.stdev(diffs)
+    if sd == 0:
+        return 0.0 if statistics.fmean(diffs) != 0 else 1.0
+    return float(2 * student_t.sf(abs(statistics.fmean(diffs)) / (sd / len(diffs) ** 0.5), len(diffs) - 1))
+
+
+def holm(ps: list[float]) -> list[float]:
+    """Holm's step-down adjusted p-values (Holm 1979), in the order given: the i-th smallest of m
+    is multiplied by m - i + 1 (i from 1), kept at least as large as the one before, capped at 1."""
+    order = sorted(range(len(ps)), key=lambda i: ps[i])
+    out, running = [0.0] * len(ps), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (len(ps) - rank) * ps[i]))
+        out[i] = running
+    return out
+
+
+def seeds_for_power(effect: float, sd: float, power: float = 0.8, cap: int = 1000) -> int | None:
+    """The fewest seeds at which the two-sided 5 % paired t test detects a true mean difference of
+    ``effect`` with probability ``power`` when the differences spread by ``sd`` (the noncentral t:
+    power = P(|T| > t_crit), T ~ t'(n - 1, effect / sd x sqrt(n))); None past ``cap``."""
+    from scipy.stats import nct
+    if sd <= 0:
+        return 2
+    for n in range(2, cap + 1):
+        crit = student_t.ppf(0.975, n - 1)
+        nc = abs(effect) / sd * n ** 0.5
+        if nct.sf(crit, n - 1, nc) + nct.cdf(-crit, n - 1, nc) >= power:
+            return n
+    return None
+
+
+def sd_range(sd: float, n: int) -> tuple[float, float]:
+    """The 95 % interval of a standard deviation measured on ``n`` values (chi-square, n - 1 df)."""
+    from scipy.stats import chi2
+    return sd * ((n - 1) / chi2.ppf(0.975, n - 1)) ** 0.5, sd * ((n - 1) / chi2.ppf(0.025, n - 1)) ** 0.5
+
+
 def seeds_to_resolve(sd: float, margin: float) -> int:
     """The fewest seeds whose 95 % t interval of a paired difference is narrower than +-``margin``
     at the seed-to-seed spread ``sd`` of that difference: from there on an edge of ``margin`` or

@@ -1,16 +1,26 @@
 """docs/results.md's body: does comix reproduce each paper? Per paper, its headline claims as
 pairwise comparisons (the paper's own two numbers, from the table the claim comes from), comix's
 measured numbers for the same two methods from a committed case (its scale, machine and seeds),
-the trivial baseline beside them, and a verdict computed from the files:
+the trivial baseline beside them, and a verdict computed from the files by rules that cannot say
+more than the case shows:
 
-* **not testable at this scale**: the trivial baseline (majority training label; the untrained
-  base for perplexities) is as good as the better of the two trained models: the case cannot
-  show a method's effect, whatever the methods' order;
-* with seeds >= 2, the 95 % t interval of the paired difference (``tables.paired_interval``):
+* the **trivial baseline**: each client's majority training label (classification); for a
+  distillation, the student trained by CE alone on the same public text (the untrained dense base
+  shown beside it); else the untrained base. Each trained model's lead over it must itself be
+  resolved: on 2+ seeds its paired 95 % t interval above 0, on one seed ahead. Otherwise the row
+  is **not testable at this scale** and no order is read. The row counts the client-seeds on which
+  each model is above / level with / below that baseline.
+* with seeds >= 2, the 95 % t interval of the paired difference (``cases.paired_interval``):
   **reproduced** (it excludes 0 on the paper's side), **reversed** (on the other side) or
   **unresolved** (it holds 0), or **not reproduced** where the paper's gap is in the same units
   and outside the interval; a difference resolved in the paper's direction whose interval excludes
-  the paper's gap (same units) is **reproduced in direction**, smaller or larger than the paper's;
+  the paper's gap (same units) is **reproduced in direction**, smaller or larger than the paper's.
+  The paper's gap is set against comix's only where the case's headroom (the better model's lead
+  over the trivial baseline) could hold it; else the verdict says its size is not tested.
+* within each paper's table, Holm's adjusted p (Holm 1979) beside each tested row's raw p: a raw
+  verdict the correction does not keep at 5 % says so;
+* the seeds a row needs for 80 % power (two-sided 5 % paired t test, noncentral t) at the paper's
+  gap (same units) or comix's measured one, with the range the measured std's 95 % interval allows;
 * with one seed: **agrees** or **disagrees** in direction, no interval (one seed cannot resolve).
 
 ``python bench/tables.py`` writes it between docs/results.md's markers (``<!-- table: results -->``)
@@ -20,9 +30,11 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from cases import RESULTS, _majority_label, _result, load_case, paired_interval
+from cases import RESULTS, _result, holm, load_case, paired_interval, paired_p, sd_range, seeds_for_power
+
+from comix.comparison import client_majority_accuracy
 
 
 @dataclass(frozen=True)
@@ -50,6 +62,11 @@ CLAIMS = [
           ("Multilingual", "multilingual", "local", 47.19, 54.38), ("Multilingual", "multilingual", "fedavg", 47.19, 58.80),
           ("SlimPajama", "topics-in", "local", 21.79, 26.95), ("SlimPajama", "topics-in", "fedavg", 21.79, 23.27),
           ("AG News", "topics-ood", "local", 33.53, 41.46), ("AG News", "topics-ood", "fedavg", 33.53, 31.84)]],
+    # the mixture against training alone on 3 seeds: the recent methods' cases, where CoMiGS-1G1S and
+    # Local ran under one config (their untrained base run beside them for the gate)
+    *[Claim("CoMiGS Table 1", f"{col} (comix: {name}, 3 seeds)", "comigs-1g1s", "local", pa, pb, case, False, "mean")
+      for col, name, case, pa, pb in [("Multilingual", "multilingual", "recent-multilingual", 47.19, 54.38),
+                                       ("SlimPajama", "topics-in", "recent-topics-in", 21.79, 26.95)]],
     # FedAMoLE (journal) Table I, Natural Instructions with one task per client (MTAL, ROUGE-L)
     *[Claim("FedAMoLE Table I", "NI, 1 task/client", "fedamole", b, 60.04, pb, "fedamole-table1-instructions", True, "mean")
       for b, pb in [("fedit", 54.09), ("fedit-ft", 53.34), ("fdlora-fedamole", 57.04)]],
@@ -70,95 +87,193 @@ CLAIMS = [
 ]
 
 
-def _scores(case: str, metric: str) -> dict[str, dict[int, float]]:
-    """{spec: {seed: the run's score}}: its metric's mean over users, or one per-user key's mean."""
+def _per_user(result: dict, metric: str) -> dict[str, float]:
+    """A run's score per user: its metric's own key ("mean": the key the run's mean is of)."""
+    key = result.get("metric") if metric == "mean" else metric
+    users = {u: v[key] for u, v in result.get("per_user", {}).items() if key in v}
+    return users if users or metric != "mean" else {"": result["mean"]}  # a run that lists no per-user metric
+
+
+def _scores(case: str, metric: str) -> dict[str, dict[int, dict[str, float]]]:
+    """{spec: {seed: {user: the run's score}}}."""
     _, runs = load_case(case)
-    out = {}
-    for spec, by in runs.items():
-        out[spec] = {}
-        for seed, d in by.items():
-            r = _result(d)
-            out[spec][seed] = r["mean"] if metric == "mean" else statistics.fmean(v[metric] for v in r["per_user"].values())
-    return out
+    return {spec: {seed: _per_user(_result(d), metric) for seed, d in by.items()} for spec, by in runs.items()}
 
 
-def _trivial(claim: Claim) -> tuple[str, dict[int, float]]:
-    """The case's trivial baseline: the majority training label for a classification case, the
-    untrained base (the ``pretrained`` run, or DeepFusion's dense base before distillation)."""
+def _mean(users: dict[int, dict[str, float]]) -> dict[int, float]:
+    return {s: statistics.fmean(u.values()) for s, u in users.items() if u}
+
+
+@dataclass
+class Trivial:
+    """A case's trivial baseline per seed and user (what each trained model must beat, resolved,
+    before its comparison is read) and the baselines shown beside it."""
+    name: str = ""
+    users: dict = field(default_factory=dict)   # {seed: {user: score}}
+    beside: list = field(default_factory=list)  # [(name, {seed: mean score})]
+
+
+def _trivial(claim: Claim) -> Trivial:
+    """The majority training label (each client's own, from the partition) for a classification
+    case; for a distillation, the student trained by CE alone on the same public text, beside the
+    untrained dense base; else the untrained base (the ``pretrained`` run)."""
     meta, runs = load_case(claim.case)
     seeds = sorted({s for by in runs.values() for s in by})
-    majority = _majority_label({**meta, "case": meta.get("runs_of", claim.case)}, runs, seeds)
+    folder = RESULTS / meta.get("runs_of", claim.case)
+    majority = {}
+    for s in seeds:
+        for path in (folder / f"seed{s}" / "partition.json", folder / "partition.json"):
+            if path.exists():
+                majority[s] = client_majority_accuracy(json.loads(path.read_text()))
+                break
+    majority = {s: m for s, m in majority.items() if m}
     if majority:
-        return "majority training label", majority
+        return Trivial("majority training label", majority)
     if "pretrained" in runs:
-        return "untrained base", {s: _result(d)["mean"] for s, d in runs["pretrained"].items()}
+        return Trivial("untrained base", {s: _per_user(_result(d), claim.metric) for s, d in runs["pretrained"].items()})
     base = f"test_base_{claim.metric.removeprefix('test_')}"
     by = runs.get(claim.b, {})
-    if by and base in next(iter(_result(next(iter(by.values())))["per_user"].values())):
-        return "untrained base", {s: statistics.fmean(v[base] for v in _result(d)["per_user"].values())
-                                  for s, d in by.items()}
-    return "", {}
+    untrained = {s: _per_user(_result(d), base) for s, d in by.items()}
+    untrained = [("untrained base", _mean(untrained))] if any(untrained.values()) else []
+    ce = _ce_only(runs, claim.metric)
+    if ce:
+        return Trivial("CE-only student", ce, untrained)
+    return Trivial(*untrained[0][:1], {s: _per_user(_result(d), base) for s, d in by.items()}) if untrained else Trivial()
+
+
+def _ce_only(runs: dict, metric: str) -> dict[int, dict[str, float]]:
+    """CE only's per-seed scores: the ``deepfusion-ce`` runs, with those whose one option is
+    ``device_steps`` (its student reads no teacher, so how long the devices trained changes
+    nothing it computes: algorithms/deepfusion_ce.py), where a seed has no plain run."""
+    out = {}
+    for spec in sorted(runs, key=lambda k: k != "deepfusion-ce"):
+        if spec == "deepfusion-ce" or spec.startswith("deepfusion-ce:device_steps="):
+            for s, d in runs[spec].items():
+                out.setdefault(s, _per_user(_result(d), metric))
+    return out
 
 
 def verdict(claim: Claim) -> dict:
     scores = _scores(claim.case, claim.metric)
-    out = judge(claim, scores.get(claim.a, {}), scores.get(claim.b, {}), *_trivial(claim))
+    trivial = _trivial(claim)
+    out = judge(claim, scores.get(claim.a, {}), scores.get(claim.b, {}), trivial)
+    if not trivial.users:  # nothing to gate on: no order can be read
+        out["verdict"] = "not testable at this scale: the case's files hold no trivial baseline"
     partial = json.loads((RESULTS / _folder(claim.case) / "case.json").read_text()).get("partial")
     if partial:  # a grid still running across sessions: what is in so far, never a verdict
         out["verdict"] = f"partial case ({partial}): {out['verdict']}"
     return out
 
 
-def judge(claim: Claim, a: dict[int, float], b: dict[int, float], trivial_name: str, trivial: dict[int, float]) -> dict:
-    """The verdict on ``claim`` from comix's per-seed scores of its two methods and of the trivial
-    baseline (the module's docstring gives the rule)."""
-    seeds = sorted(set(a) & set(b))
+def _counts(model: dict[int, dict[str, float]], trivial: dict[int, dict[str, float]], sign: int) -> tuple[int, int, int]:
+    """Client-seeds on which ``model`` is above / level with / below its trivial baseline."""
+    d = [sign * (model[s][u] - trivial[s][u]) for s in model if s in trivial for u in model[s] if u in trivial[s]]
+    return sum(x > 1e-9 for x in d), sum(abs(x) <= 1e-9 for x in d), sum(x < -1e-9 for x in d)
+
+
+def judge(claim: Claim, a: dict, b: dict, trivial: Trivial = Trivial()) -> dict:
+    """The verdict on ``claim`` from comix's per-seed (and per-user) scores of its two methods,
+    ``a`` and ``b`` as {seed: {user: score}} or {seed: score}, and of its trivial baseline (the
+    module's docstring gives the rules)."""
+    a, b, t = ({s: v if isinstance(v, dict) else {"": v} for s, v in x.items()} for x in (a, b, trivial.users))
+    ma, mb, mt = _mean(a), _mean(b), _mean(t)
+    seeds = sorted(set(ma) & set(mb))
     sign = 1 if claim.higher_is_better else -1  # positive: a ahead of b
     paper_gap = sign * (claim.paper_a - claim.paper_b)
-    diffs = [sign * (a[s] - b[s]) for s in seeds]
-    out = {"seeds": seeds, "a": statistics.fmean(a[s] for s in seeds), "b": statistics.fmean(b[s] for s in seeds),
-           "trivial_name": trivial_name, "trivial": statistics.fmean(trivial.values()) if trivial else None}
+    diffs = [sign * (ma[s] - mb[s]) for s in seeds]
+    out = {"seeds": seeds, "a": statistics.fmean(ma[s] for s in seeds), "b": statistics.fmean(mb[s] for s in seeds),
+           "trivial_name": trivial.name, "trivial": statistics.fmean(mt.values()) if mt else None,
+           "beside": [(n, statistics.fmean(v.values())) for n, v in trivial.beside if v], "p": paired_p(diffs)}
     mean, half = paired_interval(diffs)
     out["gap"], out["half"] = mean, half
-    best = max(out["a"], out["b"]) if claim.higher_is_better else min(out["a"], out["b"])
-    excludes_paper_gap = claim.same_units and not mean - half <= paper_gap <= mean + half
-    if out["trivial"] is not None and sign * (out["trivial"] - best) >= 0:
-        out["verdict"] = f"not testable at this scale: the {trivial_name} scores {out['trivial']:.2f}, " \
-                         "as good as both methods"
+    if len(seeds) > 1:
+        sd = statistics.stdev(diffs)
+        effect = paper_gap if claim.same_units else mean
+        out["power"] = [seeds_for_power(effect, x) for x in (sd, *sd_range(sd, len(seeds)))]
+    # each model's lead over the trivial baseline, per seed: resolved (2+ seeds), or ahead (1 seed)
+    leads = {}
+    for name, m in (("a", ma), ("b", mb)):
+        common = [s for s in seeds if s in mt]
+        lead, lh = paired_interval([sign * (m[s] - mt[s]) for s in common]) if common else (float("nan"),) * 2
+        leads[name] = (lead, lh, len(common))
+    if mt:
+        out["counts"] = {n: _counts(m, t, sign) for n, m in (("a", a), ("b", b))}
+    unresolved = [n for n, (lead, lh, k) in leads.items() if not (lead > 0 and (k < 2 or lead - lh > 0))] if mt else []
+    if mt and (len(seeds) > 1 and any(leads[n][2] < 2 for n in leads)):
+        unresolved = sorted(set(unresolved) | {n for n in leads if leads[n][2] < 2})
+    # the paper's gap set against comix's only where the case could show a gap that size: the
+    # better model's lead over the trivial baseline (its headroom)
+    headroom = max(leads["a"][0], leads["b"][0]) if mt else float("inf")
+    sized = claim.same_units and abs(paper_gap) <= headroom
+    excludes_paper_gap = sized and not mean - half <= paper_gap <= mean + half
+    beyond = (f"; the paper's gap ({paper_gap:.3g}) is beyond the case's headroom (the better model's lead over "
+              f"{trivial.name}, {headroom:.3g}), so its size is not tested") if claim.same_units and not sized else ""
+    if unresolved:
+        which = " and ".join(getattr(claim, n) for n in unresolved)
+        k = min(leads[n][2] for n in unresolved)
+        out["verdict"] = f"not testable at this scale: the lead{'s' * (len(unresolved) > 1)} of {which} over the " \
+            f"{trivial.name} {'are' if len(unresolved) > 1 else 'is'} " + \
+            (f"not resolved over {k} seed{'s' * (k != 1)}" if len(seeds) > 1 else "not positive")
     elif len(seeds) < 2:
         agrees = (mean > 0) == (paper_gap > 0)
         out["verdict"] = ("agrees" if agrees else "disagrees") + " in direction (one seed: no interval)"
     elif (mean - half > 0) == (paper_gap > 0) and abs(mean) > half:
-        out["verdict"] = "reproduced"
+        out["verdict"] = "reproduced" + beyond
         if excludes_paper_gap:  # the direction, not the size
             size = "smaller" if abs(paper_gap) > abs(mean) + half else "larger"
             out["verdict"] = f"reproduced in direction, {size} than the paper's gap ({paper_gap:.3g}), " \
                              "which the interval excludes"
     elif abs(mean) > half:
-        out["verdict"] = "reversed"
+        out["verdict"] = "reversed" + beyond
     elif excludes_paper_gap:
         out["verdict"] = f"not reproduced: the interval holds 0 and excludes the paper's gap ({paper_gap:.3g})"
     else:
-        out["verdict"] = "unresolved: the interval holds 0"
+        out["verdict"] = "unresolved: the interval holds 0" + beyond
     return out
+
+
+def with_holm(verdicts: list[tuple[Claim, dict]]) -> None:
+    """Holm's correction within each paper's table, over its rows tested on 2+ seeds (a row not
+    testable tests nothing): each such row gets ``holm`` (its adjusted p), and a raw verdict that
+    the adjusted p does not keep at 5 % says so."""
+    for paper in dict.fromkeys(c.paper for c, _ in verdicts):
+        rows = [v for c, v in verdicts if c.paper == paper and len(v["seeds"]) > 1
+                and not v["verdict"].startswith(("not testable", "partial"))]
+        for v, adjusted in zip(rows, holm([v["p"] for v in rows])):
+            v["holm"] = adjusted
+            if v["verdict"].startswith(("reproduced", "reversed")) and adjusted >= 0.05:
+                v["verdict"] += f" (not after Holm's correction over the table's {len(rows)} tested rows)"
 
 
 def _fmt(x: float, higher: bool) -> str:
     return f"{x:.2f}" if higher or abs(x) >= 10 else f"{x:.3f}"
 
 
+def _power(v: dict) -> str:
+    if "power" not in v:
+        return "-"
+    n, *span = ("more than 1000" if x is None else str(x) for x in v["power"])
+    return f"{n} ({span[0]} to {span[1]})" if len(set(v["power"])) > 1 else n
+
+
 def results_page() -> str:
     rows = ["| paper | setting | a vs b | paper: a / b | comix: a / b (seeds) | a's lead over b (positive: a ahead), "
-            "95 % interval | trivial baseline | verdict | case |", "|---|---|---|---|---|---|---|---|---|"]
-    for c in CLAIMS:
-        v = verdict(c)
+            "95 % interval; p, Holm within the table | trivial baseline; client-seeds above / level / below it | "
+            "seeds for 80 % power (range the std allows) | verdict | case |", "|---|---|---|---|---|---|---|---|---|---|"]
+    verdicts = [(c, verdict(c)) for c in CLAIMS]
+    with_holm(verdicts)
+    for c, v in verdicts:
         h = c.higher_is_better
-        interval = f"{v['gap']:+.3g}" + (f" [{v['gap'] - v['half']:+.3g}, {v['gap'] + v['half']:+.3g}]"
+        interval = f"{v['gap']:+.3g}" + (f" [{v['gap'] - v['half']:+.3g}, {v['gap'] + v['half']:+.3g}]; p {v['p']:.2g}"
                                           if len(v["seeds"]) > 1 else "")
+        interval += f", Holm {v['holm']:.2g}" if "holm" in v else ""
         trivial = f"{v['trivial_name']} {_fmt(v['trivial'], h)}" if v["trivial"] is not None else "not in the case's files"
+        if "counts" in v:
+            trivial += "; " + ", ".join(f"{getattr(c, n)} {'/'.join(map(str, k))}" for n, k in v["counts"].items())
+        trivial += "".join(f" (beside it: {n} {_fmt(x, h)})" for n, x in v["beside"])
         rows.append(f"| {c.paper} | {c.setting} | {c.a} vs {c.b} | {_fmt(c.paper_a, h)} / {_fmt(c.paper_b, h)} | "
                     f"{_fmt(v['a'], h)} / {_fmt(v['b'], h)} ({', '.join(map(str, v['seeds']))}) | {interval} | "
-                    f"{trivial} | {v['verdict']} | `bench/results/{_folder(c.case)}/` |")
+                    f"{trivial} | {_power(v)} | {v['verdict']} | `bench/results/{_folder(c.case)}/` |")
     # each case once: how it was made (its scale is in its command and config), on what machine, when
     rows += ["", "The cases (command; machine; date):", ""]
     for case in dict.fromkeys(_made_by(_folder(c.case)) for c in CLAIMS):

@@ -19,7 +19,7 @@ HIDDEN = {"explicit_train", "seeds"}  # written by comix into a run's config.yam
 GENERAL = ("data", "train", "lora", "comigs", "privacy", "server")  # sections every method reads
 # the methods by the paper that defines them or runs them as baselines (docs/methods.md)
 PAPERS = {
-    "CoMiGS (Zhang et al., ICML 2025) and its baselines": (
+    "CoMiGS (Fan et al., ICML 2025) and its baselines": (
         "pretrained", "local", "fedavg", "centralized", "comigs-1g1s", "comigs-2g", "comigs-2s", "comigs-1gxs",
         "comigs-1g1s-tr", "comigs-tr", "pfedmoe", "local-moe", "fedavg-moe", "local-moe-tr", "fedavg-moe-tr",
         "ffa-lora", "fedsa-lora", "pcl", "fdlora-comigs", "hetlora", "flexlora"),

@@ -63,18 +63,24 @@ def user_table(cells: dict[str, list[str]], users: list[str]) -> str:
     return "\n".join(rows)
 
 
-def majority_label_accuracy(partition: dict) -> float | None:
-    """The trivial baseline of a classification partition: each client answers the label most
-    frequent in its own training split; the mean over clients of that answer's test accuracy (%)
-    (None: no classification client)."""
-    accs = []
-    for row in partition.values():
+def client_majority_accuracy(partition: dict) -> dict[str, float]:
+    """Each classification client's trivial baseline: the test accuracy (%) of answering the label
+    most frequent in its own training split, by client name."""
+    out = {}
+    for name, row in partition.items():
         train, test = row["train"].get("labels"), row["test"].get("labels")
         if not train or not test or not sum(test.values()):
             continue
         majority = max(train, key=lambda c: (train[c], c))
-        accs.append(100.0 * test[majority] / sum(test.values()))
-    return statistics.fmean(accs) if accs else None
+        out[name] = 100.0 * test[majority] / sum(test.values())
+    return out
+
+
+def majority_label_accuracy(partition: dict) -> float | None:
+    """The trivial baseline of a classification partition: the mean over clients of
+    ``client_majority_accuracy`` (None: no classification client)."""
+    accs = client_majority_accuracy(partition)
+    return statistics.fmean(accs.values()) if accs else None
 
 
 def one_label_share(result: dict) -> float | None:

@@ -471,30 +471,99 @@ def _results_page():
 def test_each_verdict_follows_from_the_scores(a, b, trivial, higher, expected):
     page = _results_page()
     claim = page.Claim("P", "s", "a", "b", 2.0 if higher else 1.0, 1.0 if higher else 2.0, "case", higher, "mean")
-    assert page.judge(claim, a, b, "baseline", trivial)["verdict"].startswith(expected)
+    assert page.judge(claim, a, b, page.Trivial("baseline", trivial))["verdict"].startswith(expected)
 
 
 def test_a_tie_that_excludes_the_papers_gap_is_not_reproduced_only_in_the_same_units():
     page = _results_page()
     a, b = {1: 3.770, 2: 3.771, 3: 3.769}, {1: 3.768, 2: 3.770, 3: 3.769}  # lower is better, a tie
     same = page.Claim("P", "s", "a", "b", 3.97, 3.99, "case", False, "x", same_units=True)
-    assert page.judge(same, a, b, "base", {}).get("verdict").startswith("not reproduced")
+    assert page.judge(same, a, b).get("verdict").startswith("not reproduced")
     other = page.Claim("P", "s", "a", "b", 3.97, 3.99, "case", False, "x")
-    assert page.judge(other, a, b, "base", {})["verdict"] == "unresolved: the interval holds 0"
+    assert page.judge(other, a, b)["verdict"] == "unresolved: the interval holds 0"
 
 
 def test_a_resolved_gap_a_tenth_of_the_papers_is_reproduced_in_direction_only():
     page = _results_page()
     a, b = {1: 3.402, 2: 3.439, 3: 3.3585}, {1: 3.403, 2: 3.441, 3: 3.360}  # a ahead by 0.001-0.002: [+0.0003, +0.0027]
     same = page.Claim("P", "s", "a", "b", 3.97, 3.99, "case", False, "x", same_units=True)
-    assert page.judge(same, a, b, "base", {})["verdict"].startswith(
+    assert page.judge(same, a, b)["verdict"].startswith(
         "reproduced in direction, smaller than the paper's gap (0.02)")
     wide = page.Claim("P", "s", "a", "b", 3.9998, 4.0, "case", False, "x", same_units=True)  # gap 0.0002
-    assert page.judge(wide, a, b, "base", {})["verdict"].startswith("reproduced in direction, larger")
+    assert page.judge(wide, a, b)["verdict"].startswith("reproduced in direction, larger")
     close = page.Claim("P", "s", "a", "b", 3.9985, 4.0, "case", False, "x", same_units=True)  # gap 0.0015, inside
-    assert page.judge(close, a, b, "base", {})["verdict"] == "reproduced"
+    assert page.judge(close, a, b)["verdict"] == "reproduced"
     other = page.Claim("P", "s", "a", "b", 3.97, 3.99, "case", False, "x")  # other units: the direction alone
-    assert page.judge(other, a, b, "base", {})["verdict"] == "reproduced"
+    assert page.judge(other, a, b)["verdict"] == "reproduced"
+
+
+def test_a_model_whose_lead_over_the_trivial_baseline_is_not_resolved_makes_the_row_not_testable():
+    """Both models ahead of the baseline on the mean, but b's lead holds 0 over the seeds: nothing
+    is read, whatever a's lead over b (dropping the gate, or gating on point means, fails)."""
+    page = _results_page()
+    claim = page.Claim("P", "s", "a", "b", 2.0, 1.0, "case", True, "mean")
+    a, b = {1: 60.0, 2: 62.0, 3: 61.0}, {1: 55.0, 2: 50.0, 3: 56.0}
+    trivial = page.Trivial("majority training label", {1: 50.0, 2: 53.0, 3: 49.0})  # b - t: 5, -3, 7
+    v = page.judge(claim, a, b, trivial)
+    assert v["verdict"] == "not testable at this scale: the lead of b over the majority training label is not " \
+                           "resolved over 3 seeds"
+    one = page.judge(claim, {1: 60.0}, {1: 49.0}, page.Trivial("untrained base", {1: 50.0}))
+    assert one["verdict"] == "not testable at this scale: the lead of b over the untrained base is not positive"
+    lower = page.Claim("P", "s", "a", "b", 1.0, 2.0, "case", False, "mean")  # perplexity: the base is worse
+    assert page.judge(lower, {1: 20.0, 2: 21.0, 3: 20.5}, {1: 22.0, 2: 23.5, 3: 22.6},
+                      page.Trivial("untrained base", {1: 40.0, 2: 41.0, 3: 40.5}))["verdict"] == "reproduced"
+
+
+def test_the_row_counts_client_seeds_above_level_and_below_their_own_baseline():
+    page = _results_page()
+    claim = page.Claim("P", "s", "a", "b", 1.0, 2.0, "case", False, "mean")  # lower is better
+    a = {1: {"u": 10.0, "v": 30.0}, 2: {"u": 12.0, "v": 20.0}}
+    b = {1: {"u": 11.0, "v": 31.0}, 2: {"u": 13.0, "v": 21.0}}
+    trivial = page.Trivial("untrained base", {1: {"u": 12.0, "v": 25.0}, 2: {"u": 12.0, "v": 22.0}})
+    v = page.judge(claim, a, b, trivial)
+    assert v["counts"] == {"a": (2, 1, 1), "b": (2, 0, 2)}  # a: u 2 below (ahead), v 1 ahead / 1 behind; u 2 level
+    assert v["trivial"] == pytest.approx(17.75)
+
+
+def test_holm_keeps_only_the_rows_its_adjusted_p_holds():
+    """Three rows of one table at p 0.012, 0.041, 0.071: Holm's adjusted 0.036, 0.082, 0.082; the
+    second row's raw 'reproduced' is marked (adjusting by the wrong count, or not at all, fails)."""
+    page = _results_page()
+    import cases
+    assert cases.holm([0.012, 0.041, 0.071]) == pytest.approx([0.036, 0.082, 0.082])
+    assert cases.holm([0.04, 0.01]) == pytest.approx([0.04, 0.02])  # order kept; step-down monotone
+    claims = [page.Claim("T", str(i), "a", "b", 2.0, 1.0, "c", True, "mean") for i in range(3)]
+    rows = [{"seeds": [1, 2, 3], "p": p, "verdict": "reproduced"} for p in (0.012, 0.041, 0.071)]
+    rows[2]["verdict"] = "unresolved: the interval holds 0"
+    other = {"seeds": [1, 2, 3], "p": 0.5, "verdict": "not testable at this scale: ..."}
+    page.with_holm([*zip(claims, rows), (page.Claim("U", "x", "a", "b", 2.0, 1.0, "c", True, "mean"), other)])
+    assert rows[0]["verdict"] == "reproduced" and rows[0]["holm"] == pytest.approx(0.036)
+    assert rows[1]["verdict"] == "reproduced (not after Holm's correction over the table's 3 tested rows)"
+    assert "holm" not in other
+
+
+def test_seeds_for_80_percent_power_follow_the_noncentral_t():
+    import cases
+    _results_page()
+    # Cohen's tables for a one-sample (paired) two-sided t test at 5 %: d = 1 needs 10, d = 0.5 needs 34
+    assert cases.seeds_for_power(1.0, 1.0) == 10 and cases.seeds_for_power(0.5, 1.0) == 34
+    assert cases.seeds_for_power(-0.5, 1.0) == 34  # the sign of the gap does not matter
+    assert cases.seeds_for_power(0.001, 1.0) is None  # past the cap
+    low, high = cases.sd_range(1.0, 3)
+    assert low == pytest.approx(0.5207, rel=1e-3) and high == pytest.approx(6.285, rel=1e-3)
+
+
+def test_the_papers_gap_is_not_set_against_a_case_without_the_headroom_to_show_it():
+    """The better model 0.005 ahead of CE only, the paper's gap 0.02: the interval's exclusion of the
+    paper's gap says nothing about its size, so the verdict does not claim 'not reproduced'."""
+    page = _results_page()
+    claim = page.Claim("P", "s", "a", "b", 3.97, 3.99, "case", False, "x", same_units=True)
+    a, b = {1: 3.770, 2: 3.771, 3: 3.769}, {1: 3.768, 2: 3.770, 3: 3.769}
+    ce = page.Trivial("CE-only student", {1: 3.775, 2: 3.776, 3: 3.774})
+    v = page.judge(claim, a, b, ce)
+    assert v["verdict"].startswith("unresolved: the interval holds 0; the paper's gap (0.02) is beyond the case's headroom")
+    roomy = page.Trivial("CE-only student", {1: 3.80, 2: 3.81, 3: 3.79})
+    assert page.judge(claim, a, b, roomy)["verdict"].startswith("not reproduced")
 
 
 def test_a_partial_case_gives_what_is_in_so_far_and_never_a_bare_verdict(tmp_path, monkeypatch):
