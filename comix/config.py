@@ -18,6 +18,7 @@ from .algorithms import METHODS, REGISTRY, TrainConfig, section_of
 from .data import SplitConfig
 from .models import LoRAConfig
 from .aggregation import ServerConfig
+from .combinations import combination_problem
 from .privacy import PrivacyConfig
 from .recipes import RECIPES, ConfigFileMissing, recipe_path  # noqa: F401 (RECIPES: the built-in recipes)
 
@@ -249,19 +250,9 @@ class RunConfig:
         problem = self.privacy.problem() or self.server.problem()
         if problem:
             raise ConfigError(problem)
-        if self.server.robust and (self.privacy.secure_aggregation or self.privacy.noise_multiplier > 0
-                                   or self.privacy.target_epsilon > 0):
-            raise ConfigError(f"server.aggregate={self.server.aggregate} reads each upload, which "
-                              f"{'SecAgg+ hides (the server sees only their sum)' if self.privacy.secure_aggregation else 'DP-FedAvg does not cover (its guarantee is for the noised mean of clipped updates)'}: "
-                              "use server.aggregate=mean with privacy.*")
-        if t.scaffold:  # the variate deltas are a second upload, which neither bound covers
-            clash = ("privacy.* (DP-FedAvg clips and noises the model update only)" if self.privacy.active else
-                     "privacy.server_clip (it bounds the model update only)" if self.privacy.server_clip != float("inf") else
-                     f"server.aggregate={self.server.aggregate} (a variate's update is a sum over clients, not a vote)"
-                     if self.server.robust else None)
-            if clash:
-                raise ConfigError(f"train.scaffold uploads each tensor's control-variate delta, which {clash} leaves "
-                                  "unbounded: run SCAFFOLD without it")
+        problem = combination_problem(self)  # settings valid alone that cannot run together
+        if problem:
+            raise ConfigError(problem)
         if t.cohort != "auto" and (not isinstance(t.cohort, int) or isinstance(t.cohort, bool) or t.cohort < 1):
             raise ConfigError(f"train.cohort must be auto or a whole number >= 1 (1: one client at a time), got {t.cohort!r}")
         if t.cohort != 1 and self.engine != "inprocess":

@@ -106,6 +106,9 @@ def build_algorithm(cfg: RunConfig, spec: str, n_users: int):
                           f"server.aggregate={mcfg.server.aggregate}: {why}")
     n_clients = 1 if REGISTRY[name][0].pooled else n_users
     algo = make_algorithm(name, mcfg.lora, mcfg.train, n_clients, **mcfg.options(name))
+    why = algo.executorch_refusal() if mcfg.train.client_runtime == "executorch" else None
+    if why:
+        raise ConfigError(f"method {name} cannot run with train.client_runtime=executorch: {why}")
     algo.name = spec
     from .aggregation import ServerOptimizer
     algo.server_config = mcfg.server

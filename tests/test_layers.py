@@ -86,7 +86,7 @@ def test_the_cycle_finder_finds_a_planted_cycle():
 # declares (SplitConfig, LoRAConfig, TrainConfig, PrivacyConfig), as PEFT's model composes its
 # tuners' configs. ``comix`` is the package's __init__ (the Python face, over ``api``).
 LAYERS = [
-    {"files", "runtime", "progress", "privacy", "aggregation", "tracking", "tokens", "fleet", "recipes"},
+    {"files", "runtime", "progress", "privacy", "aggregation", "combinations", "tracking", "tokens", "fleet", "recipes"},
     {"data", "models", "eval"},
     {"algorithms"},
     {"config"},

@@ -33,8 +33,8 @@ from .scaffold import (apply_correction, begin_control_round, control_correction
                        end_control_round, is_control, server_controls, split_controls, with_controls, zero_controls)
 from .refusals import Refusals
 from .training import (ClientState, InterleavedSteps, Tensors, TrainConfig, adapter_tensors, average,
-                       batch_generator, expert_lr, expert_params, keep_optimizer, load_adapters, make_optimizer,
-                       mean_of_sums, model_load_balance, proximal_anchor, proximal_term, train_step)
+                       batch_generator, executorch_step, expert_lr, expert_params, keep_optimizer, load_adapters,
+                       make_optimizer, mean_of_sums, model_load_balance, proximal_anchor, proximal_term, train_step)
 
 
 @dataclass
@@ -311,11 +311,14 @@ class Algorithm(Refusals):
             for g in opt.param_groups:
                 g["lr"] = lr
             x, y = self.train_batch(ctx, gen)
-            loss = train_step(ctx.model, x, y, [p for _, p in params], opt, self.train.grad_clip, scaler,
-                              ctx.runtime.micro_batches_of(ctx.client),
-                              lambda: (self.train.lb_weight * model_load_balance(ctx.model, self.train.load_balance)
-                                       + self.regularizer(ctx, state)
-                                       + (proximal_term(anchor, mu) if anchor else 0.0)))
+            if self.train.client_runtime == "executorch":  # the step's forward-backward in the device runtime
+                loss = executorch_step(ctx.model, x, y, params, opt, self.train.grad_clip)
+            else:
+                loss = train_step(ctx.model, x, y, [p for _, p in params], opt, self.train.grad_clip, scaler,
+                                  ctx.runtime.micro_batches_of(ctx.client),
+                                  lambda: (self.train.lb_weight * model_load_balance(ctx.model, self.train.load_balance)
+                                           + self.regularizer(ctx, state)
+                                           + (proximal_term(anchor, mu) if anchor else 0.0)))
             if controlled is not None:
                 apply_correction(controlled, lr, state.extra)
             losses.append(loss)

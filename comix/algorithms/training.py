@@ -95,6 +95,9 @@ class TrainConfig:
     # SCAFFOLD (Karimireddy et al., ICML 2020, option II): control variates correct each local step
     # of the shared parameters; the upload adds each one's variate delta (algorithms/scaffold.py)
     scaffold: bool = False
+    # where a device's local steps run: pytorch | executorch (each step's forward-backward in
+    # ExecuTorch's training runtime, the program a phone runs: models/executorch_training.py)
+    client_runtime: str = "pytorch"
 
 
 # FedAMoLE journal Sec. V-A-4: "the Adam optimizer with ... a learning rate 5e-5 ... and a learning
@@ -285,6 +288,21 @@ def apply_step(params: list[nn.Parameter], grads: list[torch.Tensor], opt: torch
         opt.step()
     for p in params:
         p.grad = None
+
+
+def executorch_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, named: list[tuple[str, nn.Parameter]],
+                    opt: torch.optim.Optimizer, clip: float) -> torch.Tensor:
+    """``train_step`` with the loss's forward and backward run by ExecuTorch's training runtime
+    (``train.client_runtime=executorch``): the program loads the adapters, returns the loss and
+    their gradients, and AdamW steps over those here (the runtime's only optimiser is SGD)."""
+    from ..models.executorch_training import program_for
+    program = program_for(model, x, y)
+    if set(program.names) != {n for n, _ in named}:
+        raise RuntimeError("the ExecuTorch program trains other tensors than the step's optimiser holds")
+    program.load(named)
+    loss, grads = program.forward_backward(x, y)
+    apply_step([p for _, p in named], [grads[n] for n, _ in named], opt, clip)
+    return loss.detach()
 
 
 def train_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, params: list[nn.Parameter],

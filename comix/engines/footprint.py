@@ -83,8 +83,8 @@ class Footprint:
         self.mode, self.measured, self.handle, self.shape = None, False, None, None
 
     def forward(self, module, args, kwargs):
-        if not module.training:
-            return
+        if not module.training or torch.compiler.is_compiling() or torch.compiler.is_exporting():
+            return  # (an export tracing the model: the ExecuTorch step's program, models/executorch_training.py)
         ids = kwargs.get("input_ids", args[0] if args else None)
         if isinstance(ids, torch.Tensor):
             self.tokens += ids.numel()

@@ -20,6 +20,8 @@ One lowering fix: the exported backward of the MLP allocates autograd buffers wi
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
@@ -89,3 +91,21 @@ class ExecuTorchTraining:
         loss = self.module.forward_backward("forward", (x, y))[0]
         grads = {n.removeprefix("model."): g.clone() for n, g in self.module.named_gradients().items()}
         return loss.clone(), grads
+
+
+_PROGRAMS: dict[tuple, ExecuTorchTraining] = {}
+
+
+def program_for(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> ExecuTorchTraining:
+    """The training program of ``model``'s architecture for batches of ``x``'s shape, exported once
+    per run: keyed by the frozen base's tensors themselves (every client model of a run shares
+    them: engines/inprocess.py copies the base with its tensors as they are), the trained tensors'
+    names and shapes and the batch shape; each step loads the client's own adapters into it."""
+    base = next(t for t in model.parameters() if not t.requires_grad)
+    key = (id(base), tuple((n, tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad),
+           tuple(x.shape), tuple(y.shape))
+    program = _PROGRAMS.get(key)
+    if program is None or program.base() is not base:  # (a freed base's id reused by another tensor)
+        program = _PROGRAMS[key] = ExecuTorchTraining(model, x, y)
+        program.base = weakref.ref(base)
+    return program
