@@ -22,7 +22,7 @@ The model is SmolLM2-135M: the tests' tiny random Llama (vocabulary 257, width 3
 under LoRA at all (its clean run ends where it started, 228 perplexity), so no rule's effect
 could show on it. The untrained model's score is in the result beside the clean run's: a rule is
 read only where the clean run's gain over it is resolved over the seeds.
-Writes ``bench/results/poisoned.json``; docs/usage.md quotes it (bench/tables.py).
+Writes ``bench/results/poisoned.json`` (no committed result yet: it has not run at this setting).
 """
 from __future__ import annotations
 
