@@ -224,10 +224,9 @@ class Algorithm(Refusals):
     def server_round_of_sum(self, server_state, total: Tensors, count: int) -> tuple[Any, dict[int, Tensors]]:
         """``server_round`` when the server holds only the sum of ``count`` uploads (secure
         aggregation): the same mean, with DP's noise on the same sums in the same order."""
-        total, controls = split_controls(total)
-        mean = self.server_step(mean_of_sums(total, count, self.aggregation_noise))
+        mean = self.server_step(mean_of_sums(split_controls(total)[0], count, self.aggregation_noise))
         if self.train.scaffold:  # the variates' update needs only their sum too
-            mean.update(server_controls(self.round_start, with_controls({}, controls), self.n_clients))
+            mean.update(server_controls(self.round_start, total, self.n_clients))
         return server_state, {c: dict(mean) for c in range(self.n_clients)}
 
     # -- client ------------------------------------------------------------------------------------
