@@ -217,6 +217,32 @@ def main_job_profile_table(text: str) -> str:
                               f"peak RSS {r['peak_rss_mb'] / 1024:.1f} GB.")
 
 
-BENCH_FILES = {"eval-clients.json": eval_clients_table, "main-job-profile.json": main_job_profile_table, "soak.json": soak_table, "large-upload.json": large_upload_table, "device-export.json": device_export_table, "cohort-cpu-fp32.json": cohort_table, "layer-speed.md": layer_speed_table, "layer-speed-full.md": layer_speed_table,  # written by a bench
+def mutation_sweep_table(text: str) -> str:
+    """bench/mutation_sweep.py's file: per module the one-line mutants and how many its tests kill,
+    then each mutant with the first test that failed on it (or that none did)."""
+    r = json.loads(text)
+    mods: dict[str, list] = {}
+    for m in r["mutants"]:
+        mods.setdefault(m["module"], []).append(m)
+    rows = ["| module | mutants | killed | equivalent | not killed |", "|---|---:|---:|---:|---|"]
+    for mod, ms in mods.items():
+        alive = [m["name"] for m in ms if m["outcome"] not in ("killed", "equivalent")]
+        same = sum(m["outcome"] == "equivalent" for m in ms)
+        rows.append(f"| {mod} | {len(ms)} | {len(ms) - len(alive) - same} | {same} | {', '.join(alive) or '-'} |")
+    rows += ["", "| module | the edit: what a user would see | caught by |", "|---|---|---|"]
+    for mod, ms in mods.items():
+        for m in ms:
+            test = (m["first_failure"].split("/")[-1].replace("::", " : ") if m["outcome"] == "killed" else
+                    f"equivalent: {m['equivalent']}" if m["outcome"] == "equivalent" else f"**{m['outcome']}**")
+            rows.append(f"| {mod} | {m['edit']} | {test} |")
+    total = sum(len(ms) for ms in mods.values())
+    killed = sum(m["outcome"] == "killed" for ms in mods.values() for m in ms)
+    same = sum(m["outcome"] == "equivalent" for ms in mods.values() for m in ms)
+    return "\n".join(rows) + (f"\n\n`{r['command']}` ({r['machine']}, {r['date']}): {killed} of {total} mutants "
+                              f"killed, {same} equivalent (the edit changes nothing a user can see, measured); each ran "
+                              "its module's tests with `-x` on a clean tree, the file restored after.")
+
+
+BENCH_FILES = {"mutation-sweep.json": mutation_sweep_table, "eval-clients.json": eval_clients_table, "main-job-profile.json": main_job_profile_table, "soak.json": soak_table, "large-upload.json": large_upload_table, "device-export.json": device_export_table, "cohort-cpu-fp32.json": cohort_table, "layer-speed.md": layer_speed_table, "layer-speed-full.md": layer_speed_table,  # written by a bench
                "layer-speed-h200-bf16.md": layer_speed_table,
                "vaa-attribution.json": vaa_attribution_table, "vaa-attribution-long.json": vaa_attribution_table}

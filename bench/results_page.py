@@ -57,24 +57,32 @@ CLAIMS = [
     # CoMiGS (ICML 2025) Table 1, GPT2-124M columns (mean over 3 seeds there): the generalist +
     # specialist mixture against training alone and against FedAvg, in the three settings comix
     # runs (multilingual; topics in-distribution ~ SlimPajama; topics out-of-distribution ~ AG News)
-    *[Claim("CoMiGS Table 1", f"{col} (comix: {name})", "comigs-1g1s", b, pa, pb, f"reproduce-small-table1-{name}", False, "mean")
+    *[Claim("CoMiGS Table 1", col, "comigs-1g1s", b, pa, pb, f"reproduce-small-table1-{name}", False, "mean")
       for col, name, b, pa, pb in [
           ("Multilingual", "multilingual", "local", 47.19, 54.38), ("Multilingual", "multilingual", "fedavg", 47.19, 58.80),
           ("SlimPajama", "topics-in", "local", 21.79, 26.95), ("SlimPajama", "topics-in", "fedavg", 21.79, 23.27),
           ("AG News", "topics-ood", "local", 33.53, 41.46), ("AG News", "topics-ood", "fedavg", 33.53, 31.84)]],
     # the mixture against training alone on 3 seeds: the recent methods' cases, where CoMiGS-1G1S and
     # Local ran under one config (their untrained base run beside them for the gate)
-    *[Claim("CoMiGS Table 1", f"{col} (comix: {name}, 3 seeds)", "comigs-1g1s", "local", pa, pb, case, False, "mean")
+    *[Claim("CoMiGS Table 1", col, "comigs-1g1s", "local", pa, pb, case, False, "mean")
       for col, name, case, pa, pb in [("Multilingual", "multilingual", "recent-multilingual", 47.19, 54.38),
                                        ("SlimPajama", "topics-in", "recent-topics-in", 21.79, 26.95)]],
+    # "CoMiGS-1G1S tracks the better of 2S and 2G" (Sec. 4.2.1): ahead of the worse of the two in
+    # each setting (Table 1: 2G in Multilingual, 2S in SlimPajama and AG News)
+    *[Claim("CoMiGS Table 1", col, "comigs-1g1s", b, pa, pb, f"reproduce-small-table1-{name}", False, "mean")
+      for col, name, b, pa, pb in [("Multilingual", "multilingual", "comigs-2g", 47.19, 58.31),
+                                   ("SlimPajama", "topics-in", "comigs-2s", 21.79, 22.51),
+                                   ("AG News", "topics-ood", "comigs-2s", 33.53, 35.81)]],
     # FedAMoLE (journal) Table I, Natural Instructions with one task per client (MTAL, ROUGE-L)
     *[Claim("FedAMoLE Table I", "NI, 1 task/client", "fedamole", b, 60.04, pb, "fedamole-table1-instructions", True, "mean")
       for b, pb in [("fedit", 54.09), ("fedit-ft", 53.34), ("fdlora-fedamole", 57.04)]],
     # FedAMoLE Table III (SNLI, one seed there): AMoLE + RSEA against post-aggregation fine-tuning,
     # on the redesigned case (a partition per seed, every test example scored) that replaced
     # fedamole-cpu-table3-relations-dir1.0, whose majority training label beat every method
-    Claim("FedAMoLE Table III", "SNLI ablation", "fedamole", "fedit-ft", 88.95, 86.45,
-          "fedamole-cpu-table3-relations", True, "mean"),
+    # and its two ablations' claims: the AMoLE router against the vanilla router (both with RSEA),
+    # RSEA against random expert assignment (both with AMoLE)
+    *[Claim("FedAMoLE Table III", "SNLI ablation", "fedamole", b, 88.95, pb, "fedamole-cpu-table3-relations", True, "mean")
+      for b, pb in [("fedit-ft", 86.45), ("fedamole-vanilla", 86.90), ("fedamole-random", 88.05)]],
     # DeepFusion Table I, open-ended QA at N = 16 (log token perplexity): VAA's feature distillation
     # against logits-only FedKMT, against OFA-KD and against federated MoE training (FedJETS)
     *[Claim("DeepFusion Table I", "open-ended QA, N = 16", "deepfusion:alpha=1.0", b, 3.9697, pb,
@@ -82,7 +90,7 @@ CLAIMS = [
       for b, pb in [("fedkmt", 3.9908), ("ofa-kd", 4.0375), ("fedjets:train.rounds=4,train.local_steps=50", 3.9717)]],
     # the same claim where VAA has something to bridge: three of four teachers Gemma-3-270M (another
     # family, its own tokenizer and width), public text the domains' held-out share (alpha = 1, fixed)
-    Claim("DeepFusion Table I", "open-ended QA, N = 16 (comix: Gemma-3-270M teachers)", "deepfusion", "fedkmt",
+    Claim("DeepFusion Table I", "open-ended QA, N = 16", "deepfusion", "fedkmt",
           3.9697, 3.9908, "deepfusion-cpu-qa-open-gemma-n4", False, "test_answer_log_ppl", same_units=True),
 ]
 
@@ -256,6 +264,48 @@ def _power(v: dict) -> str:
     return f"{n} ({span[0]} to {span[1]})" if len(set(v["power"])) > 1 else n
 
 
+def ran(case: str) -> str:
+    """What comix ran in place of the paper's data and N, read from the case's committed config.yaml
+    (the corpus, the clients, the base, the schedule, DeepFusion's devices), so a row's label cannot
+    say more than its files."""
+    import yaml
+    folder = RESULTS / _folder(case)
+    cfg = yaml.safe_load((folder / "config.yaml").read_text())
+    data, train = cfg["data"], cfg["train"]
+    first = next(iter(sorted(folder.glob("seed*/*/results.json"))), None)
+    users = len(json.loads(first.read_text()).get("per_user", {})) if first else 0
+    corpus = str(cfg["corpus"])
+    parts = [("the built-in " if "/" not in corpus else "") + corpus + " corpus"
+             + (", test topics held out" if data.get("mode") == "ood" else ""),
+             f"{users} clients" + (f" (Dirichlet alpha {data['alpha']:g})" if data.get("partition") == "dirichlet" else ""),
+             cfg["model"], f"{train['rounds']} rounds x {train['local_steps']} steps"]
+    devices = (cfg.get("deepfusion") or {}).get("devices")
+    if devices:
+        parts.append("devices " + ", ".join(devices))
+    return ", ".join(parts)
+
+
+def read_specs(claims: list[Claim]) -> dict[str, list[str]]:
+    """{case: the specs its rows read}: each claim's two methods and the trivial baseline's own runs."""
+    out: dict[str, list[str]] = {}
+    for c in claims:
+        _, runs = load_case(c.case)
+        trivial = [s for s in runs if s == "pretrained" or s == "deepfusion-ce" or s.startswith("deepfusion-ce:device_steps=")]
+        out.setdefault(c.case, [])
+        out[c.case] += [s for s in (c.a, c.b, *trivial) if s in runs and s not in out[c.case]]
+    return out
+
+
+def reproducing_command(case: str, specs: list[str]) -> str:
+    """The command that runs ``specs`` of ``case`` again from its committed config.yaml (not from a
+    recipe that may have moved since), on the seeds the case holds for them."""
+    _, runs = load_case(case)
+    seeds = sorted({s for spec in specs for s in runs.get(spec, {})})
+    quoted = " ".join(f"'{s}'" if any(ch in s for ch in ",=") else s for s in specs)
+    return (f"comix compare bench/results/{_folder(case)}/config.yaml --methods {quoted} "
+            f"--seeds {' '.join(map(str, seeds))} run_dir=runs/{case}")
+
+
 def results_page() -> str:
     rows = ["| paper | setting | a vs b | paper: a / b | comix: a / b (seeds) | a's lead over b (positive: a ahead), "
             "95 % interval; p, Holm within the table | trivial baseline; client-seeds above / level / below it | "
@@ -271,14 +321,21 @@ def results_page() -> str:
         if "counts" in v:
             trivial += "; " + ", ".join(f"{getattr(c, n)} {'/'.join(map(str, k))}" for n, k in v["counts"].items())
         trivial += "".join(f" (beside it: {n} {_fmt(x, h)})" for n, x in v["beside"])
-        rows.append(f"| {c.paper} | {c.setting} | {c.a} vs {c.b} | {_fmt(c.paper_a, h)} / {_fmt(c.paper_b, h)} | "
+        rows.append(f"| {c.paper} | {c.setting}; comix ran: {ran(c.case)} | {c.a} vs {c.b} | {_fmt(c.paper_a, h)} / {_fmt(c.paper_b, h)} | "
                     f"{_fmt(v['a'], h)} / {_fmt(v['b'], h)} ({', '.join(map(str, v['seeds']))}) | {interval} | "
                     f"{trivial} | {_power(v)} | {v['verdict']} | `bench/results/{_folder(c.case)}/` |")
     # each case once: how it was made (its scale is in its command and config), on what machine, when
-    rows += ["", "The cases (command; machine; date):", ""]
-    for case in dict.fromkeys(_made_by(_folder(c.case)) for c in CLAIMS):
+    rows += ["", "The cases: the command that runs the rows' methods again from the case's committed config "
+             "(tests/test_tables.py derives every run's settings from it), then how the case was made (command; "
+             "machine; date):", ""]
+    specs = read_specs(CLAIMS)
+    made = {}
+    for c in CLAIMS:
+        made.setdefault(_made_by(_folder(c.case)), []).append(c.case)
+    for case, parts in made.items():
         meta = json.loads((RESULTS / case / "case.json").read_text())
-        rows.append(f"- `{case}`: {meta['command']}; {meta['machine']}; {meta['date']}.")
+        again = "; ".join(f"`{reproducing_command(p, specs[p])}`" for p in dict.fromkeys(parts))
+        rows.append(f"- `{case}`: again: {again}. Made by: {meta['command']}; {meta['machine']}; {meta['date']}.")
     return "\n".join(rows)
 
 

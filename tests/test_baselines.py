@@ -173,6 +173,63 @@ def test_fdlora_outer_optimizer_is_sgd_with_momentum():
     assert torch.equal(p[1]["w"], torch.tensor([3., 1.5]))           # m = 0.5 m + 0 -> theta += 0.5 * mean step
 
 
+def test_fdlora_local_steps_alternate_global_alone_then_personal_alone(setup, monkeypatch):
+    """CoMiGS's FDLoRA: even local steps train the global LoRA with the personal one switched off
+    (fusion (1, 0)), odd steps the personal LoRA with the global one off (0, 1); each step's
+    gradient reaches only its own adapter, both train in a round, and the model scored afterwards
+    computes with the (0.5, 0.5) average again."""
+    from comix.algorithms import fdlora
+    model, users = setup
+    algo = make_algorithm("fdlora-comigs", LoRAConfig(r=4), _train(local_steps=4), 3)
+    ctx, state = _client(algo, model, users, 0)
+    seen, real = [], fdlora.train_step
+
+    def spy(model, x, y, params, *rest, **kw):
+        fusion = {tuple(m.lora_fusion.tolist()) for m in model.modules() if getattr(m, "lora_fusion", None) is not None}
+        names = {n for n, p in model.named_parameters() if any(p is q for q in params)}
+        seen.append((fusion, {param_role(n) for n in names}))
+        return real(model, x, y, params, *rest, **kw)
+    monkeypatch.setattr(fdlora, "train_step", spy)
+    before = dict(state.adapters)
+    state, upload, _ = algo.client_round(ctx, state, {})
+    assert {param_role(n) for n in upload} == {"attention_lora", "mlp_lora"}  # the personal LoRA stays home
+    assert [f for f, _ in seen] == [{(1.0, 0.0)}, {(0.0, 1.0)}, {(1.0, 0.0)}, {(0.0, 1.0)}]
+    assert [r for _, r in seen] == [{"attention_lora", "mlp_lora"}, {"personal_lora"}] * 2
+    for role in ("mlp_lora", "personal_lora"):
+        assert any(not torch.equal(before[n], t) for n, t in state.adapters.items() if param_role(n) == role), role
+    assert {tuple(m.lora_fusion.tolist()) for m in ctx.model.modules()
+            if getattr(m, "lora_fusion", None) is not None} == {(0.5, 0.5)}
+    # each adapter its own AdamW, kept across rounds: after two rounds each has taken its 4 steps
+    state, _, _ = algo.client_round(ctx, state, upload)
+    steps = {k: {int(float(v["step"])) for v in state.optimizers[k]["state"].values()} for k in ("global", "personal")}
+    assert steps == {"global": {4}, "personal": {4}}
+    assert len(state.optimizers["personal"]["state"]) == sum(param_role(n) == "personal_lora" for n in state.adapters)
+
+
+def test_fdlora_fuses_on_validation_batches_and_never_takes_a_search_worse_than_its_start(setup, monkeypatch):
+    """AdaFusion reads the user's few-shot validation batches (not its training data), and a search
+    whose result scores worse than the (0.5, 0.5) start keeps the start."""
+    import nevergrad as ng
+    from comix.algorithms import fdlora
+    model, users = setup
+    algo = make_algorithm("fdlora-comigs", LoRAConfig(r=4), _train(local_steps=2), 3)
+    ctx, state = _client(algo, model, users, 0)
+    state, upload, _ = algo.client_round(ctx, state, {})
+    read, real = [], fdlora.sample_batch
+    monkeypatch.setattr(fdlora, "sample_batch", lambda t, *a: read.append(t) or real(t, *a))
+
+    class Worse:  # a search that ends far from the optimum: both weights at the bound, opposite signs
+        def __init__(self, parametrization, budget):
+            self.parametrization = parametrization
+
+        def minimize(self, objective):
+            return type("Found", (), {"value": [1.5, -1.5]})()
+    monkeypatch.setattr(ng.optimizers, "NGOpt", Worse)
+    state = algo.client_finish(ctx, state, upload)
+    assert len(read) == algo.fewshot_batches and all(t is users[0].valid for t in read)
+    assert state.extra["fusion"] == (0.5, 0.5)
+
+
 def test_fdlora_fusion_lowers_the_validation_objective(setup):
     model, users = setup
     algo = make_algorithm("fdlora-comigs", LoRAConfig(r=4), _train(local_steps=6), 3, budget=30)
@@ -285,6 +342,18 @@ def test_fdlora_fedamole_fuses_every_round_on_held_out_data_and_scores_the_fusio
     assert all(abs(v) <= 1.5 for v in w)
     assert all(torch.allclose(scored[n], w[0] * payload[n] + w[1] * private[n]) for n in scored)
     assert all(torch.equal(state.adapters[n], up[n]) for n in up)  # training goes on from the shared one
+
+    def fusion_batches():
+        out = []
+        monkeypatch.setattr(module, "sample_batch", lambda t, *a: out.append(real_sample(t, *a)) or out[-1])
+        algo.personal_adapters(ctx, state, payload)
+        return [x for x, _ in out]
+    one = fusion_batches()
+    state.step += algo.train.local_steps  # as after the next round: its fusion reads other held-out batches
+    two = fusion_batches()
+    state.step -= algo.train.local_steps
+    assert len(one) == len(two) == algo.fusion_batches and not all(torch.equal(a, b) for a, b in zip(one, two))
+    assert all(torch.equal(a, b) for a, b in zip(one, fusion_batches()))  # and the same round the same ones
     final = algo.client_finish(ctx, state, payload)
     assert final.extra["fused"] and algo.personal_adapters(ctx, final, {}) is final.adapters
 

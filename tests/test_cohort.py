@@ -195,6 +195,15 @@ def test_a_clients_rows_meet_only_its_own_adapters(setup):
         own.append(lm_loss(single, x[2 * c:2 * c + 2], y[2 * c:2 * c + 2]))
     losses = cohort_lm_losses(stacked, x, y)
     assert torch.allclose(losses, torch.stack(own).detach(), rtol=1e-5)
+    # masked targets (-100: instruction data's prompt), more of them in client 1's rows: each client's
+    # CE is the mean over its own unmasked targets, as lm_loss computes it alone
+    y = y.clone()
+    y[0, :3], y[2:, :8] = -100, -100
+    own = []
+    for c in range(2):
+        load_adapters(single, adapters[c])
+        own.append(lm_loss(single, x[2 * c:2 * c + 2], y[2 * c:2 * c + 2]))
+    assert torch.allclose(cohort_lm_losses(stacked, x, y), torch.stack(own).detach(), rtol=1e-5)
     # client 0's loss has no gradient in client 1's slots, and client 1's NaNs never reach client 0
     params = [p for p in stacked.parameters() if p.requires_grad]
     grads = torch.autograd.grad(cohort_lm_losses(stacked, x, y)[0], params)

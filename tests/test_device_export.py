@@ -155,6 +155,11 @@ def test_gguf_read_back_by_transformers_gives_the_merged_model(run, tmp_path, pr
     want = _comix_logits(run, "fedavg", ids)
     assert (got - want).abs().max() < atol
     assert _ppl(got, ids) == pytest.approx(_ppl(want, ids), rel=ppl_rel)
+    # the matrices are stored at the precision asked (Q8_0: blocks of 32 int8 weights and an f16 scale),
+    # norms in f32 as llama.cpp's converter keeps them
+    import gguf
+    kinds = {t.tensor_type.name for t in gguf.GGUFReader(str(out / "model.gguf")).tensors if len(t.shape) > 1}
+    assert kinds == {"F16" if precision == "f16" else "Q8_0"}
     _, comix_tok, _ = rebuild(resolve_method_dir(run, "fedavg"), "carol")
     from transformers import AutoTokenizer
     reread = AutoTokenizer.from_pretrained(str(out), gguf_file="model.gguf")
@@ -224,8 +229,12 @@ def test_smollm2_gguf_carries_the_base_s_own_tokenizer(tmp_path):
     model, tok = load_base_model("smollm2-135m")
     info = write_gguf(model, tok, tmp_path / "m.gguf", "f16", tokenizer_gguf=offline_gguf("smollm2-135m"))
     assert info["tokenizer"].startswith("copied")
-    fields = gguf.GGUFReader(str(tmp_path / "m.gguf")).fields
+    reader = gguf.GGUFReader(str(tmp_path / "m.gguf"))
+    fields = reader.fields
     assert fields["tokenizer.ggml.pre"].contents() == "smollm" and len(fields["tokenizer.ggml.merges"].data) == 48900
+    # SmolLM2 ties its head to the embedding: written once (llama.cpp reads token_embd for the output)
+    names = {t.name for t in reader.tensors}
+    assert model.config.tie_word_embeddings and "token_embd.weight" in names and "output.weight" not in names
     back = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="m.gguf", dtype=torch.float32).eval()
     ids = tok("Federated learning keeps the data on the device.", return_tensors="pt")["input_ids"]
     with torch.no_grad():

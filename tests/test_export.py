@@ -326,6 +326,10 @@ def _amole_expert_folders_are_their_forced_routing(model, out, ids):
     man = json.loads((out / "manifest.json").read_text())
     assert man["experts"] and all((out / e["peft"] / "adapter_config.json").exists() for e in man["experts"])
     layers = [m for m in model.modules() if isinstance(m, AMoLELinear)]
+    # exactly the global experts the client holds in some module (an empty slot, id -1, is none)
+    held = sorted({i for m in layers for i in m.slot_ids[:m.n_active].tolist()})
+    assert [e["id"] for e in man["experts"]] == held and min(held) >= 0
+    assert sorted(p.name for p in (out / "experts").iterdir()) == sorted(map(str, held))
     for entry in man["experts"][:2]:
         j = entry["id"]
 
@@ -372,3 +376,62 @@ def test_flora_fedalt_and_feddpa_export_what_they_hold(tmp_path):
     model, _, _ = rebuild(run / "feddpa-t", "bob")
     peft = PeftModel.from_pretrained(load_base_model("tiny-llama")[0], str(out)).eval()
     assert torch.allclose(_logits(peft, _ids()), _logits(model, _ids()), atol=1e-5)
+
+
+@pytest.mark.parametrize("spec", ["tiny-gpt2", "tiny-llama"])
+def test_a_peft_folder_gives_comix_s_logits_on_either_weight_layout_and_mixed_ranks(tmp_path, spec):
+    """GPT-2's Conv1D stores its weight (in, out), Llama's Linear (out, in): the PEFT folder says
+    which (fan_in_fan_out) and each module's rank and alpha (an FDLoRA pair fused into one LoRA of
+    twice the rank on the MLP, each half weighed by its fusion weight, beside rank-r attention
+    LoRAs), so PEFT computes exactly comix's model on either layout."""
+    from peft import PeftModel
+
+    from comix.algorithms.fdlora import set_fusion
+    from comix.models import LoRAConfig
+    from comix.personal import write_peft_lora
+    from comix.personal.peft_forms import _lora_modules
+    model = inject_adapters(load_base_model(spec, dropout=0.0)[0],
+                            AdapterConfig(lora=LoRAConfig(r=4, alpha=8), mlp="lora", personal=True)).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".lora" in n:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    set_fusion(model, (0.7, -0.4))
+    modules = _lora_modules(model)
+    assert {a.shape[0] for a, *_ in modules.values()} == {4, 8}  # rank r on attention, the 2r pair on the MLP
+    write_peft_lora(modules, tmp_path / "peft", spec)
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert config["fan_in_fan_out"] is (spec == "tiny-gpt2")
+    base = load_base_model(spec, dropout=0.0)[0]
+    ids = _ids()
+    want = _logits(model, ids)
+    assert not torch.allclose(_logits(base, ids), want, atol=1e-3)
+    peft = PeftModel.from_pretrained(base, str(tmp_path / "peft")).eval()
+    assert torch.allclose(_logits(peft, ids), want, atol=1e-5)
+
+
+def test_the_static_adapter_is_the_experts_weighed_by_the_user_s_last_mean_gates(run, tmp_path):
+    """--static: the weights are the user's gate per expert in the last evaluation, averaged over
+    layers, and PEFT's "cat" combination makes every module's weight change the sum of the
+    experts' changes at those weights (the attention LoRA, in every expert's folder, once)."""
+    from peft import PeftModel
+
+    out = export_personal(run, "bob", tmp_path / "bob", method="comigs-1g1s", static=True)
+    weights = json.loads((out / "manifest.json").read_text())["static"]["weights"]
+    rows = [json.loads(x) for x in (run / "comigs-1g1s" / "metrics.jsonl").read_text().splitlines()]
+    gates = [r["gates"] for r in rows if r.get("user") == "bob" and "gates" in r]
+    assert len(gates) == 2 and gates[0] != gates[-1] and len({tuple(layer) for layer in gates[-1]}) > 1
+    assert weights == pytest.approx(torch.tensor(gates[-1], dtype=torch.float64).mean(0).tolist(), abs=1e-6)
+
+    def delta(folder):
+        base = load_base_model("tiny-llama")[0]
+        before = {n: t.clone() for n, t in base.state_dict().items()}
+        merged = PeftModel.from_pretrained(base, str(folder)).merge_and_unload()
+        return {n: t - before[n] for n, t in merged.state_dict().items()}
+
+    static, experts = delta(out / "static"), [delta(out / "experts" / str(j)) for j in range(len(weights))]
+    changed = [n for n, d in static.items() if d.abs().max() > 0]
+    assert any(".mlp." in n for n in changed) and any(".self_attn." in n for n in changed)
+    for n in static:
+        assert torch.allclose(static[n], sum(w * e[n] for w, e in zip(weights, experts)), atol=1e-6), n

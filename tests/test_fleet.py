@@ -20,6 +20,9 @@ def _fleet_file(tmp_path, text):
 def test_profiles_follow_the_shares_in_client_order():
     fleet = Fleet([DeviceProfile("a", 0.25, 1, 1), DeviceProfile("b", 0.5, 1, 1), DeviceProfile("c", 0.25, 1, 1)])
     assert [fleet.profile_of(c, 8).name for c in range(8)] == ["a", "a", "b", "b", "b", "b", "c", "c"]
+    # shares are proportions: 0.5 and 0.25 (a file's shares need not sum to 1) split clients 2 : 1
+    fleet = Fleet([DeviceProfile("a", 0.5, 1, 1), DeviceProfile("b", 0.25, 1, 1)])
+    assert [fleet.profile_of(c, 6).name for c in range(6)] == ["a", "a", "a", "a", "b", "b"]
 
 
 def test_a_deadline_drops_exactly_the_devices_too_slow_for_it_and_aggregates_the_rest(tmp_path):

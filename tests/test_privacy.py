@@ -240,6 +240,12 @@ def test_a_target_epsilon_whose_noise_drowns_every_update_is_refused_before_any_
     assert resolve_privacy(PrivacyConfig(clip=1.0, noise_multiplier=9.0), 100, poisson).noise_multiplier == 9.0
     with pytest.raises(ValueError, match="10 clients averaged"):
         resolve_privacy(PrivacyConfig(clip=1.0, noise_multiplier=11.0), 100, poisson)
+    # fewer than one client expected a round (Poisson, rate x N = 0.5): sigma up to 1 still runs (its
+    # noise is at most the bound of one whole update), above 1 it is refused
+    sparse = TrainConfig(rounds=3, client_sampling="poisson", client_fraction=0.05)
+    assert resolve_privacy(PrivacyConfig(clip=1.0, noise_multiplier=1.0), 10, sparse).noise_multiplier == 1.0
+    with pytest.raises(ValueError, match="would be drowned"):
+        resolve_privacy(PrivacyConfig(clip=1.0, noise_multiplier=1.2), 10, sparse)
 
 
 @pytest.mark.parametrize("override,words", [

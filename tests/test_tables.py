@@ -632,3 +632,36 @@ def test_a_number_quoted_in_prose_is_checked_against_the_file_it_links(tmp_path,
     # a time, a memory or a rate in prose with no file behind it is listed; quoted or in a table, not
     doc.write_text(right + "a round took 33 s.\n| phone | 1024 MB |\n```\ntook 5 s\n```\n")
     assert [ln.split(": ", 1)[0] for ln in quotes.unbacked([doc])] == ["docs/x.md:2"]
+
+
+def test_every_results_row_s_runs_follow_from_the_command_its_footnote_gives():
+    """Each case's footnote on docs/results.md runs its rows' methods again from the case's committed
+    config.yaml: every committed run of those methods has the training settings that command gives it
+    (the config with the method's spec and its authors' defaults, as the run itself would resolve them),
+    so a recipe that moved after a case ran cannot stand in for it. A method that trains nothing (the
+    untrained base) is exempt from the schedule only."""
+    import dataclasses
+    import re
+
+    _tables()
+    import results_page
+    from comix.algorithms import REGISTRY
+    from comix.config import load_config
+    from comix.specs import build_algorithm, split_spec
+    page = results_page.results_page()
+    checked = 0
+    for case, specs in results_page.read_specs(results_page.CLAIMS).items():
+        command = results_page.reproducing_command(case, specs)
+        assert f"`{command}`" in page
+        config = re.search(r"comix compare (\S+) --methods", command)[1]
+        cfg = load_config(str(ROOT / config))
+        _, runs = results_page.load_case(case)
+        for spec in specs:
+            for seed, folder in runs[spec].items():
+                result = json.loads((folder / "results.json").read_text())
+                want = dataclasses.asdict(build_algorithm(cfg, spec, max(1, len(result["per_user"]))).train)
+                ran = {k: v for k, v in result["train"].items()
+                       if REGISTRY[split_spec(spec)[0]][0].trains or k not in ("rounds", "local_steps", "eval_every")}
+                assert ran == {k: want[k] for k in ran}, (case, spec, seed)
+                checked += 1
+    assert checked > 50

@@ -128,13 +128,15 @@ def test_mlflow_and_wandb_runs_hold_each_round_once_across_a_kill_and_resume(tmp
     monkeypatch.setattr(tracking.RunTrackers, "log_round", killed_in_round_2)
     with pytest.raises(Killed):
         main(args)
-    monkeypatch.setattr(tracking.RunTrackers, "log_round", real)
-    assert main(["run", "--resume", str(run)]) == 0
     folder = run / "fedavg"
-    rows = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
-    want = {(r["user"], r["round"]): r["train_loss"] for r in rows}
     from mlflow.tracking import MlflowClient
     client = MlflowClient(tracking_uri=f"sqlite:///{folder / 'mlflow.db'}")
+    assert client.get_run((folder / "mlflow_run_id").read_text()).info.status == "FAILED"  # not "finished" when killed
+    monkeypatch.setattr(tracking.RunTrackers, "log_round", real)
+    assert main(["run", "--resume", str(run)]) == 0
+    assert client.get_run((folder / "mlflow_run_id").read_text()).info.status == "FINISHED"
+    rows = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+    want = {(r["user"], r["round"]): r["train_loss"] for r in rows}
     runs = client.search_runs([client.get_experiment_by_name("comix").experiment_id])
     assert [r.info.run_id for r in runs] == [(folder / "mlflow_run_id").read_text()]
     assert runs[0].data.params["train.lr"] == "0.003" and runs[0].data.params["method"] == "fedavg"
@@ -145,10 +147,12 @@ def test_mlflow_and_wandb_runs_hold_each_round_once_across_a_kill_and_resume(tmp
     files = sorted(folder.glob("wandb/offline-run-*/run-*.wandb"))
     run_id = (folder / "wandb_run_id").read_text()
     assert len(files) == 2 and all(f.name == f"run-{run_id}.wandb" for f in files)  # one run, two sessions
-    logged, config = {}, {}
+    logged, config, exits = {}, {}, []
     for f in files:
         for record in _wandb_records(f):
             kind = record.WhichOneof("record_type")
+            if kind == "exit":
+                exits.append(record.exit.exit_code)
             if kind == "history":
                 items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
                 for user in ("alice", "bob"):
@@ -160,3 +164,4 @@ def test_mlflow_and_wandb_runs_hold_each_round_once_across_a_kill_and_resume(tmp
         assert [s for s, _ in values] == [1, 2, 3]
         assert dict(values) == pytest.approx({k: v for (u, k), v in want.items() if u == user})
     assert config["train.lr"] == "0.003"
+    assert exits == [1, 0]  # the killed session ended its W&B run as failed, the resumed one as finished
