@@ -28,6 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import footprint  # noqa: E402,F401 (prints wall time and peak RSS at exit)
 from mutants import MUTANTS  # noqa: E402
 
 RESULT = ROOT / "bench" / "results" / "mutation-sweep.json"

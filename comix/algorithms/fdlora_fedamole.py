@@ -17,6 +17,13 @@ What differs from FedIT (one LoRA on q and v, r 8, alpha / r, dropout 0.05, as F
     batches of its held-out set + 0.05 * mean |w| (get_score, get_regular). The fused model is
     what is scored; training continues from the shared adapter (node.py adaptive_fusion writes
     the fusion into the model only; release_models is off for FDLoRA).
+    Where this differs from the authors' fdlora.py get_loss (found reading it again, not yet
+    changed, so that the committed Table I runs still follow from this code): there each of
+    NGOpt's evaluations reads the *next* 5 batches of a cycling held-out loader (a noisy objective),
+    and the loss is the sum of the 5 batch means over the number of examples (5 x the aux batch
+    size, 1 at their default --batch_size), so the L1 term weighs batch-size times more against
+    it; here one round's evaluations share the round's 5 batches (fresh each round) and the loss is
+    their mean.
 
 Rounds: the authors run one extra local phase before round 0 ("FDLoRA Local Learning", then a
 plain mean). Here round 1 is that phase *and* their round 0 (local training, sync, plain mean,
