@@ -272,8 +272,10 @@ def ran(case: str) -> str:
     folder = RESULTS / _folder(case)
     cfg = yaml.safe_load((folder / "config.yaml").read_text())
     data, train = cfg["data"], cfg["train"]
+    # a set number of clients (DeepFusion's devices, a Dirichlet split), else one a user folder or
+    # task (a run's per-user rows; a distillation's rows are the server's test domains instead)
     first = next(iter(sorted(folder.glob("seed*/*/results.json"))), None)
-    users = len(json.loads(first.read_text()).get("per_user", {})) if first else 0
+    users = data.get("clients") or (len(json.loads(first.read_text()).get("per_user", {})) if first else 0)
     corpus = str(cfg["corpus"])
     parts = [("the built-in " if "/" not in corpus else "") + corpus + " corpus"
              + (", test topics held out" if data.get("mode") == "ood" else ""),
