@@ -280,7 +280,9 @@ MUTANTS = [
        "FedAMoLE's per-expert folder holds the shared expert alone", EXPORT),
     _m("personal", "amole-inactive-slots", "comix/personal/peft_forms.py",
        "        ids = m.slot_ids[:m.n_active].tolist()\n        parts",
-       "        ids = m.slot_ids.tolist()\n        parts", "inactive AMoLE slots counted as held experts", EXPORT),
+       "        ids = m.slot_ids.tolist()\n        parts", "inactive AMoLE slots read with the held ones", EXPORT,
+       equivalent="AMoLELinear.assign fills every slot with -1 before writing the held ids into the first "
+                  "slots, so a held expert is found at the same slot either way (no global expert is -1)"),
     _m("personal", "static-first-gates", "comix/personal/peft_forms.py", "last = torch.tensor(gates[-1], dtype=torch.float64)",
        "last = torch.tensor(gates[0], dtype=torch.float64)", "--static weighs experts by the first evaluation's gates",
        EXPORT),
