@@ -54,19 +54,24 @@ def machine() -> str:
     return f"{os.cpu_count()} cores, {cpu}"
 
 
+def pytest(tests, timeout: int) -> tuple[int, str]:
+    """(pytest's exit code, or -1 past ``timeout``; its output) for ``tests``, stopping at the first failure."""
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}  # no cached bytecode of a mutated file outlives it
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return -1, ""
+    return proc.returncode, proc.stdout
+
+
 def run_one(m, timeout: int) -> dict:
     path = ROOT / m.file
     original = path.read_bytes()
     t0 = time.time()
     try:
         path.write_text(original.decode().replace(m.find, m.replace))
-        env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
-        try:
-            proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *m.tests],
-                                  cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-            rc, out = proc.returncode, proc.stdout
-        except subprocess.TimeoutExpired:
-            rc, out = -1, ""
+        rc, out = pytest(m.tests, timeout)
     finally:
         path.write_bytes(original)
     failed = next((ln.split(" ")[1] for ln in out.splitlines() if ln.startswith("FAILED ")), "")
@@ -94,19 +99,18 @@ def main(argv=None) -> None:
             print(f"{m.module:10} {m.name:34} {m.what}")
         return
     for tests in sorted({m.tests for m in chosen}):  # a mutant reads as killed only if its tests pass unmutated
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
-                              cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
-        if proc.returncode != 0:
-            raise SystemExit(f"the unmutated tree fails {' '.join(tests)}: fix that first\n{proc.stdout[-2000:]}")
+        rc, out = pytest(tests, args.timeout)
+        if rc != 0:
+            raise SystemExit(f"the unmutated tree fails {' '.join(tests)}: fix that first\n{out[-2000:]}")
         print(f"baseline passes: {' '.join(tests)}", flush=True)
     old = {(r["module"], r["name"]): r for r in json.loads(RESULT.read_text())["mutants"]} if RESULT.exists() else {}
+    order = {(x.module, x.name): i for i, x in enumerate(MUTANTS)}  # the file's rows in the list's order
     for i, m in enumerate(chosen, 1):
         row = run_one(m, args.timeout)
         old[(m.module, m.name)] = row
         print(f"[{i}/{len(chosen)}] {row['outcome']:9} {m.module}/{m.name} ({row['seconds']} s) {row['first_failure']}",
               flush=True)
-        rows = [old[k] for k in sorted(old, key=lambda k: [(x.module, x.name) for x in MUTANTS].index(k)
-                                       if k in {(x.module, x.name) for x in MUTANTS} else 10**6)]
+        rows = sorted(old.values(), key=lambda r: order.get((r["module"], r["name"]), len(order)))
         tmp = RESULT.with_suffix(".tmp")
         tmp.write_text(json.dumps({"command": "python bench/mutation_sweep.py", "machine": machine(),
                                    "date": time.strftime("%Y-%m-%d"), "mutants": rows}, indent=1) + "\n")
