@@ -26,6 +26,7 @@ EXPORT = ("tests/test_export.py",)
 GGUF = ("tests/test_device_export.py", "-k", "gguf or q_and_k or qwen2")
 COHORT = ("tests/test_cohort.py",)
 FDLORA = ("tests/test_baselines.py", "-k", "fdlora")
+EXECUTORCH = ("tests/test_executorch_training.py", "-k", "run_whose or mixture_round")
 QUANT = ("tests/test_quant.py", "tests/test_quant_q4.py", "tests/test_fleet.py", "-k", "quant or q4 or int8 or nf4")
 
 
@@ -356,4 +357,21 @@ MUTANTS = [
        "params[name].copy_(torch.stack([a[name] for a in adapters]))",
        "params[name].copy_(torch.stack([adapters[0][name] for a in adapters]))",
        "every slot starts from the first member's adapters", COHORT),
+    # -- the device's steps in ExecuTorch's training runtime (models/executorch_training.py) -------------
+    _m("executorch", "stale-router", "comix/algorithms/training.py", "    program.load_from(model)\n",
+       "    program.load(named)\n", "an expert step in the program computes with the router it was first given",
+       EXECUTORCH),
+    _m("executorch", "load-balance-dropped", "comix/algorithms/training.py",
+       "program = program_for(model, x, y, extra, extra_key)", "program = program_for(model, x, y, None, extra_key)",
+       "the ExecuTorch step minimises the CE alone, without CoMiGS's load balance", EXECUTORCH),
+    _m("executorch", "router-step-in-pytorch", "comix/algorithms/base.py",
+       "            if self.train.runtime_of(ctx.client) == \"executorch\":  # the router step",
+       "            if False:  # the router step", "the router steps run in PyTorch on an ExecuTorch device",
+       EXECUTORCH),
+    _m("executorch", "tokens-uncounted", "comix/engines/footprint.py", "            self.tokens += ids.numel()\n            self.peak",
+       "            self.peak", "an ExecuTorch device's round reads no tokens (a fleet's deadline never drops it)",
+       EXECUTORCH),
+    _m("executorch", "runtime-of-first-client", "comix/algorithms/training.py",
+       "else self.client_runtime[client]", "else self.client_runtime[0]",
+       "every device trains where the first one does", EXECUTORCH),
 ]

@@ -22,7 +22,8 @@ The model is SmolLM2-135M: the tests' tiny random Llama (vocabulary 257, width 3
 under LoRA at all (its clean run ends where it started, 228 perplexity), so no rule's effect
 could show on it. The untrained model's score is in the result beside the clean run's: a rule is
 read only where the clean run's gain over it is resolved over the seeds.
-Writes ``bench/results/poisoned.json`` (no committed result yet: it has not run at this setting).
+Writes ``bench/results/poisoned.json``; the runs go to ``runs/poisoned`` (``--work``), and a bench
+stopped and started again skips the runs it finished there.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import json
 import os
 import statistics
 import sys
-import tempfile
+import shutil
 import time
 from pathlib import Path
 
@@ -79,6 +80,10 @@ def run(overrides: list[str], attack: str, seed: int, out: Path, method: str = "
             return {c: (poison(attack, r[0], payloads[c], seed, self.round, c), r[1])
                     if c in ATTACKERS and not isinstance(r, str) else r for c, r in replies.items()}
 
+    done = out / "bench.json"  # (a run finished before the bench was stopped: read, not run again)
+    if done.exists():
+        return json.loads(done.read_text())
+    shutil.rmtree(out, ignore_errors=True)  # what a stopped run left half-written
     cfg = load_config(None, [*SETTING, *overrides, f"seed={seed}"])
     model, _, users, _, _ = load_inputs(cfg)
     algo = build_algorithm(cfg, method, len(users))
@@ -89,36 +94,38 @@ def run(overrides: list[str], attack: str, seed: int, out: Path, method: str = "
     rows = [json.loads(ln) for ln in (method_dir / "metrics.jsonl").read_text().splitlines()]
     result = json.loads((method_dir / "results.json").read_text())
     honest = [u.name for c, u in enumerate(users) if c not in ATTACKERS]
-    return {"honest_test_ppl": statistics.fmean(result["per_user"][u]["test_ppl"] for u in honest),
-            "honest_update_norms": [r["update_norm"] for r in rows if "update_norm" in r
-                                    and r["user"] in honest]}
+    figures = {"honest_test_ppl": statistics.fmean(result["per_user"][u]["test_ppl"] for u in honest),
+               "honest_update_norms": [r["update_norm"] for r in rows if "update_norm" in r and r["user"] in honest]}
+    footprint.write_result(done, figures)
+    return figures
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[42, 45, 47])
     ap.add_argument("--result", type=Path, default=ROOT / "bench" / "results" / "poisoned.json")
+    ap.add_argument("--work", type=Path, default=ROOT / "runs" / "poisoned",
+                    help="the runs' folder; a bench stopped and started again skips the runs it finished there")
     args = ap.parse_args()
     import torch
     torch.set_num_threads(1)
     table: dict[str, dict[str, list[float]]] = {a: {r: [] for r in RULES} for a in ATTACKS}
     untrained, clips = [], []
-    with tempfile.TemporaryDirectory() as tmp:
-        for seed in args.seeds:
-            base = Path(tmp) / str(seed)
-            untrained.append(run([], "none", seed, base / "pretrained", "pretrained")["honest_test_ppl"])
-            clean = run([], "none", seed, base / "clean")
-            clip = statistics.median(clean["honest_update_norms"])
-            clips.append(clip)
-            for attack in ATTACKS:
-                for rule, extra in RULES.items():
-                    if attack == "none" and rule == "mean":
-                        ppl = clean["honest_test_ppl"]
-                    else:
-                        extra = [f"privacy.server_clip={clip}"] if extra is None else extra
-                        ppl = run(extra, attack, seed, base / f"{attack}-{rule}")["honest_test_ppl"]
-                    table[attack][rule].append(ppl)
-                    print(f"seed {seed} {attack:>9} {rule:>12}: honest test ppl {ppl:.3f}", flush=True)
+    for seed in args.seeds:
+        base = args.work / str(seed)
+        untrained.append(run([], "none", seed, base / "pretrained", "pretrained")["honest_test_ppl"])
+        clean = run([], "none", seed, base / "clean")
+        clip = statistics.median(clean["honest_update_norms"])
+        clips.append(clip)
+        for attack in ATTACKS:
+            for rule, extra in RULES.items():
+                if attack == "none" and rule == "mean":
+                    ppl = clean["honest_test_ppl"]
+                else:
+                    extra = [f"privacy.server_clip={clip}"] if extra is None else extra
+                    ppl = run(extra, attack, seed, base / f"{attack}-{rule}")["honest_test_ppl"]
+                table[attack][rule].append(ppl)
+                print(f"seed {seed} {attack:>9} {rule:>12}: honest test ppl {ppl:.3f}", flush=True)
     fig = {"setting": SETTING, "attackers": list(ATTACKERS), "clients": 10, "seeds": args.seeds,
            "honest_test_ppl": table, "pretrained_honest_test_ppl": untrained, "server_clip": clips,
            "command": "python bench/poisoned.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),

@@ -64,6 +64,11 @@ def cmd_flower_demo(args) -> int:
 
     console = _console()
     users = ["de", "fr", "it", "nl"][:args.clients]
+    runtimes = args.client_runtime * len(users) if len(args.client_runtime) == 1 else args.client_runtime
+    if len(runtimes) != len(users):
+        print(f"comix: error: --client-runtime gives {len(runtimes)} runtimes for {len(users)} SuperNodes: one, or "
+              "one per SuperNode", file=sys.stderr)
+        return 2
     work = Path(args.workdir or tempfile.mkdtemp(prefix="comix-flower-"))
     work.mkdir(parents=True, exist_ok=True)
     config = work / "demo.yaml"
@@ -74,8 +79,10 @@ def cmd_flower_demo(args) -> int:
         console.print(f"SuperLink on {fed.address} ({'INSECURE' if args.insecure else 'TLS + SuperNode auth'}), "
                       f"logs in {work}")
         for c, user in enumerate(users):
-            fed.start_supernode(c, {"data": "multilingual", "user": user, "state-dir": str(work / "device-state")})
-        console.print(f"{len(users)} SuperNodes started; running {args.method} for {args.rounds} rounds ...")
+            fed.start_supernode(c, {"data": "multilingual", "user": user, "state-dir": str(work / "device-state"),
+                                    "client-runtime": runtimes[c]})  # where this device trains
+        console.print(f"{len(users)} SuperNodes started ({', '.join(runtimes)}); running {args.method} for "
+                      f"{args.rounds} rounds ...")
         res = fed.run({"config": str(config), "method": args.method, "run-dir": str(work / "run"),
                        "clients": len(users)}, timeout=args.timeout)
     out = work / "run" / args.method / "results.json"
@@ -277,6 +284,9 @@ def main(argv=None) -> int:
     f.add_argument("--workdir", help="where certificates, keys, logs and results go (default: a temp dir)")
     f.add_argument("--insecure", action="store_true", help="no TLS, no SuperNode auth (prints a warning)")
     f.add_argument("--timeout", type=float, default=1200)
+    f.add_argument("--client-runtime", nargs="+", default=["pytorch"], choices=("pytorch", "executorch"),
+                   help="where the SuperNodes' devices train: one for all, or one per SuperNode (executorch: each "
+                        "local step in ExecuTorch's training runtime, docs/export.md)")
     fc = sub.add_parser("flower-certs", help="a CA and a SuperLink TLS certificate")
     fc.add_argument("directory")
     fc.add_argument("--host", nargs="+", default=["127.0.0.1", "localhost"], help="the SuperLink's addresses")

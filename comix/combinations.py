@@ -27,9 +27,9 @@ def combination_problem(cfg) -> str | None:
         if clash:
             return f"train.scaffold uploads each tensor's control-variate delta, which {clash} leaves unbounded: " \
                    "run SCAFFOLD without it"
-    if train.client_runtime not in ("pytorch", "executorch"):
-        return f"train.client_runtime must be pytorch or executorch, got {train.client_runtime!r}"
-    if train.client_runtime == "executorch":  # the exported program: fp32 plain LoRA on the CPU, one step a batch
+    if not train.runtimes <= {"pytorch", "executorch"}:
+        return f"train.client_runtime must be pytorch or executorch, or one of them per client, got {train.client_runtime!r}"
+    if "executorch" in train.runtimes:  # the exported program: fp32 plain LoRA on the CPU, one step a batch
         clash = [f"{k}={v}" for k, v, ok in (("precision", cfg.precision, "fp32"), ("quant", cfg.quant, "none"),
                                              ("micro_batches", cfg.micro_batches, 1), ("train.cohort", train.cohort, 1),
                                              ("train.prox_mu", train.prox_mu, 0), ("train.scaffold", train.scaffold, False))

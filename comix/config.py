@@ -300,6 +300,7 @@ def _set(obj, dotted: str, value, prefix: str = "") -> None:
     default = getattr(type(obj)(), head) if dataclasses.is_dataclass(obj) else current
     per_client = (key == "quant" and isinstance(value, list) and all(isinstance(v, str) for v in value)) or \
         (key == "micro_batches" and (value == "auto" or isinstance(value, list) and all(isinstance(v, int) for v in value))) or \
+        (key == "train.client_runtime" and isinstance(value, list) and all(isinstance(v, str) for v in value)) or \
         (key == "train.cohort" and value == "auto") or (key == "data.seed" and (value == "run" or isinstance(value, dict)))
     if not per_client and not _type_ok(value, default if default is not None else current):
         want = type(default).__name__ if default is not None else "a value"

@@ -71,6 +71,9 @@ def load_inputs(cfg: RunConfig):
         raise ValueError(f"quant gives {len(cfg.quant)} precisions for {len(users)} clients: one per client")
     if isinstance(cfg.micro_batches, list) and len(cfg.micro_batches) != len(users):
         raise ValueError(f"micro_batches gives {len(cfg.micro_batches)} values for {len(users)} clients: one per client")
+    if isinstance(cfg.train.client_runtime, list) and len(cfg.train.client_runtime) != len(users):
+        raise ValueError(f"train.client_runtime gives {len(cfg.train.client_runtime)} runtimes for {len(users)} clients: "
+                         "one per client")
     if cfg.fleet:
         # experts=auto / ranks=auto become each device's own value, written so into the run's
         # config.yaml (resume, export and Flower's devices read the sized spec)

@@ -106,7 +106,7 @@ def build_algorithm(cfg: RunConfig, spec: str, n_users: int):
                           f"server.aggregate={mcfg.server.aggregate}: {why}")
     n_clients = 1 if REGISTRY[name][0].pooled else n_users
     algo = make_algorithm(name, mcfg.lora, mcfg.train, n_clients, **mcfg.options(name))
-    why = algo.executorch_refusal() if mcfg.train.client_runtime == "executorch" else None
+    why = algo.executorch_refusal() if "executorch" in mcfg.train.runtimes else None
     if why:
         raise ConfigError(f"method {name} cannot run with train.client_runtime=executorch: {why}")
     algo.name = spec

@@ -13,6 +13,7 @@ from comix.models import LoRAConfig, load_base_model
 from comix.models.executorch_training import ExecuTorchTraining
 
 pytest.importorskip("executorch.extension.training")
+from test_algorithms import setup  # noqa: E402,F401  (the tiny Llama and three users: a fixture)
 
 
 @pytest.fixture(scope="module")
@@ -77,21 +78,67 @@ def test_adamw_steps_over_the_programs_gradients_end_where_train_step_ends(fedav
     assert moved > 1e-3  # the steps did move the adapters
 
 
-def test_a_fedavg_run_whose_devices_train_in_executorch_equals_the_pytorch_run(tmp_path):
-    """``train.client_runtime=executorch``: every device's steps in the runtime, 3 rounds of FedAvg
-    over 3 users; each round's payloads (server.jsonl's fingerprints) and each user's scores equal
-    the PyTorch run's to 1e-5 relative (the program's gradients differ from autograd's in the last
-    bits, 1e-7 measured above, which three rounds of AdamW do not lift past 1e-5)."""
-    import json
+# CoMiGS with a router step after every expert step (tau = 1): each expert step's forward reads the
+# router the step before it trained, so a program holding a stale router drifts from the first one
+ROUTED = ["train.tau=1", "train.router_steps=2"]
+
+
+def _run(out, method, args, runtime, kill_after=None, monkeypatch=None):
+    """``comix run`` on the tiny model; with ``kill_after``, killed once that round's checkpoint is
+    written, then resumed as a user would (``comix run --resume``)."""
     from comix.cli import main
+    from comix.engines import server
     from test_aggregation import TINY
+    command = ["run", *TINY, *args, f"methods=[{method}]", f"train.client_runtime={runtime}", f"run_dir={out}"]
+    if kill_after is None:
+        assert main(command) == 0
+        return
+
+    class Killed(Exception):
+        pass
+    real = server.atomic_write
+
+    def kill(path, write):
+        real(path, write)
+        if str(path).endswith("checkpoint.pt") and torch.load(path, weights_only=False)["round"] == kill_after:
+            raise Killed
+    monkeypatch.setattr(server, "atomic_write", kill)
+    with pytest.raises(Killed):
+        main(command)
+    monkeypatch.setattr(server, "atomic_write", real)
+    assert main(["run", "--resume", str(out)]) == 0
+
+
+@pytest.mark.parametrize("method,args,runtime,kill_after", [
+    ("fedavg", [], "executorch", None),
+    ("comigs-1g1s", ROUTED, "[executorch,pytorch,executorch,pytorch]", 2)])
+def test_a_run_whose_devices_train_in_executorch_equals_the_pytorch_run(tmp_path, monkeypatch, method, args, runtime,
+                                                                        kill_after):
+    """``train.client_runtime=executorch``: the devices' steps in the runtime (CoMiGS's router
+    steps on validation batches too; there two devices of four, the run killed after round 2 and
+    resumed), 3 rounds over 4 users; each round's payloads (server.jsonl's fingerprints) and each
+    user's scores equal the PyTorch run's to 1e-5 relative (the program's gradients differ from
+    autograd's in the last bits, 1e-7 measured above, which three rounds of AdamW do not lift past
+    1e-5). Each device's row counts the tokens PyTorch's does and, in ExecuTorch, says so and
+    holds the step's planned memory as its activations."""
+    import json
     rows = {}
-    for runtime in ("pytorch", "executorch"):
-        out = tmp_path / runtime
-        assert main(["run", *TINY, "methods=[fedavg]", f"train.client_runtime={runtime}", f"run_dir={out}"]) == 0
-        rows[runtime] = ([json.loads(ln)["payload_fingerprint"] for ln in (out / "fedavg" / "server.jsonl").read_text()
-                          .splitlines()], json.loads((out / "fedavg" / "results.json").read_text())["per_user"])
-    (pt_prints, pt_users), (et_prints, et_users) = rows["pytorch"], rows["executorch"]
+    for name in ("pytorch", "executorch"):
+        out = tmp_path / name
+        _run(out, method, args, "pytorch" if name == "pytorch" else runtime, kill_after if name != "pytorch" else None,
+             monkeypatch)
+        rows[name] = ([json.loads(ln)["payload_fingerprint"] for ln in (out / method / "server.jsonl").read_text()
+                       .splitlines()], json.loads((out / method / "results.json").read_text())["per_user"],
+                      [json.loads(ln) for ln in (out / method / "metrics.jsonl").read_text().splitlines()])
+    (pt_prints, pt_users, pt_rows), (et_prints, et_users, et_rows) = rows["pytorch"], rows["executorch"]
+    trained = [(a, b) for a, b in zip(pt_rows, et_rows) if "tokens" in a]
+    assert len(trained) == 12 and all(a["user"] == b["user"] and a["tokens"] == b["tokens"] > 0 for a, b in trained)
+    on = runtime.strip("[]").split(",")  # each client's runtime, clients in the order of the run's users
+    for a, b in trained:
+        executorch = on[list(pt_users).index(a["user"]) % len(on)] == "executorch"  # (one for all: index 0)
+        assert "client_runtime" not in a and b.get("client_runtime") == ("executorch" if executorch else None)
+        if executorch:  # the planner's memory for the step, not PyTorch's measured peak
+            assert b["activation_mb"] > 0 and b["activation_mb"] != a["activation_mb"]
     assert len(pt_prints) == 3
     for a, b in zip(pt_prints, et_prints):
         assert a == pytest.approx(b, rel=1e-5)
@@ -101,12 +148,15 @@ def test_a_fedavg_run_whose_devices_train_in_executorch_equals_the_pytorch_run(t
 
 
 @pytest.mark.parametrize("args,words", [
-    (["methods=[comigs-1g1s]"], "router steps"),
+    (["methods=[fedalt]"], "not plain LoRA or a LoRA mixture"),
     (["methods=[fedit]"], "LoRA dropout"),
     (["methods=[hetlora]"], "writes its own"),
     (["methods=[fedavg]", "precision=bf16"], "precision=bf16"),
     (["methods=[fedavg]", "train.cohort=2"], "train.cohort=2"),
     (["methods=[fedavg]", "train.client_runtime=phone"], "train.client_runtime must be pytorch or executorch"),
+    (["methods=[fedavg]", "train.client_runtime=[executorch,phone,pytorch,pytorch]"],
+     "train.client_runtime must be pytorch or executorch"),
+    (["methods=[fedavg]", "train.client_runtime=[executorch,pytorch]"], "2 runtimes for 4 clients"),
 ])
 def test_what_the_exported_step_cannot_run_is_refused_in_one_line_before_any_run_directory(tmp_path, capsys, args, words):
     from comix.cli import main
@@ -115,3 +165,34 @@ def test_what_the_exported_step_cannot_run_is_refused_in_one_line_before_any_run
     assert main(["run", *TINY, *args, *runtime, f"run_dir={tmp_path / 'r'}"]) != 0
     err = capsys.readouterr()
     assert words in err.out + err.err and not (tmp_path / "r").exists()
+
+
+def test_a_mixture_round_in_executorch_runs_every_step_there_and_uploads_what_the_method_declares(setup, monkeypatch):
+    """CoMiGS-1GxS (a user with experts [2, 1, 3]: one without a router), router steps after every
+    expert step: each expert step and each router step is one forward-backward of the program, no
+    step runs in PyTorch, and what leaves each device is exactly the method's declared upload."""
+    from comix.algorithms import base as base_module
+    from comix.models import param_role
+    from comix.models.executorch_training import ExecuTorchTraining as Program
+    from test_algorithms import EXPECTED_SHARED, _algo, _client
+    model, users = setup
+    algo = _algo("comigs-1gxs", experts=[2, 1, 3], client_runtime="executorch", tau=1, router_steps=2)
+    assert algo.executorch_refusal() is None
+    calls = []
+    real = Program.forward_backward
+    monkeypatch.setattr(Program, "forward_backward", lambda self, x, y: calls.append(1) or real(self, x, y))
+
+    def no_pytorch_step(*a, **k):
+        raise AssertionError("a PyTorch step on an ExecuTorch device")
+    monkeypatch.setattr(base_module, "train_step", no_pytorch_step)
+    clients = [_client(algo, model, users, c) for c in range(3)]
+    reference = {c: algo.upload_of(state.adapters) for c, (_, state) in enumerate(clients)}
+    server_state, payloads = algo.server_init(reference)
+    for c, (ctx, state) in enumerate(clients):
+        calls.clear()
+        state, upload, _ = algo.client_round(ctx, state, payloads[c])
+        routed = algo.experts[c] > 1
+        assert len(calls) == algo.train.local_steps * (1 + routed * algo.train.router_steps)
+        declared = algo.expected_upload(server_state, c, reference[c])
+        assert set(upload) == set(declared) and algo.check_upload(upload, declared) is None
+        assert {param_role(n) for n in upload} == EXPECTED_SHARED["comigs-1gxs"]

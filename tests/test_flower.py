@@ -51,6 +51,25 @@ def test_unregistered_node_and_node_without_ca_are_refused(tmp_path):
     assert "CERTIFICATE_VERIFY_FAILED" in logs or "certificate verify failed" in logs.lower()
 
 
+def test_a_deployment_whose_first_supernode_trains_in_executorch_equals_the_in_process_run(tmp_path):
+    """``comix flower-demo --client-runtime executorch pytorch``: a SuperLink and two SuperNodes on
+    loopback (TLS + auth), the first device's CoMiGS steps (its router steps included) in
+    ExecuTorch's training runtime, the second's in PyTorch (one round: each message starts a device
+    process, which exports its program again); the uploads and the scores equal an in-process run of the same recipe with the same runtimes per client."""
+    pytest.importorskip("executorch.extension.training")
+    fed = tmp_path / "fed"
+    assert main(["flower-demo", "--clients", "2", "--rounds", "1", "--client-runtime", "executorch", "pytorch",
+                 "--workdir", str(fed), "--timeout", "900"]) == 0
+    a = _rows(fed / "run" / "comigs-1g1s" / "metrics.jsonl")
+    assert {x["user"]: x.get("client_runtime") for x in a if "tokens" in x} == {"de": "executorch", "fr": None}
+    assert main(["run", str(fed / "demo.yaml"), "data.users=[de,fr]", "train.client_runtime=[executorch,pytorch]",
+                 f"run_dir={tmp_path / 'inproc'}"]) == 0
+    b = _rows(tmp_path / "inproc" / "comigs-1g1s" / "metrics.jsonl")
+    assert [(x["user"], x["bytes_up"], x["tokens"]) for x in a] == [(y["user"], y["bytes_up"], y["tokens"]) for y in b]
+    scored = [(x, y) for x, y in zip(a, b) if "test_ppl" in y]
+    assert len(scored) == 2 and all(x["test_ppl"] == pytest.approx(y["test_ppl"], rel=1e-4) for x, y in scored)
+
+
 def test_the_soak_s_fault_plan_is_seeded_covers_every_kind_and_keeps_each_round_honest():
     plan = soak.make_plan(0, 16, 20, 0.1)
     assert plan == soak.make_plan(0, 16, 20, 0.1) != soak.make_plan(1, 16, 20, 0.1)

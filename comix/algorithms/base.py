@@ -310,8 +310,8 @@ class Algorithm(Refusals):
             for g in opt.param_groups:
                 g["lr"] = lr
             x, y = self.train_batch(ctx, gen)
-            if self.train.client_runtime == "executorch":  # the step's forward-backward in the device runtime
-                loss = executorch_step(ctx.model, x, y, params, opt, self.train.grad_clip)
+            if self.train.runtime_of(ctx.client) == "executorch":  # the step's forward-backward in the device runtime
+                loss = executorch_step(ctx.model, x, y, params, opt, self.train.grad_clip, *self._load_balance(ctx))
             else:
                 loss = train_step(ctx.model, x, y, [p for _, p in params], opt, self.train.grad_clip, scaler,
                                   ctx.runtime.micro_batches_of(ctx.client),
@@ -339,12 +339,21 @@ class Algorithm(Refusals):
         named = phase.params(ctx.model)
         opt = make_optimizer(named, state, phase.key, self.train, lr=phase.lr)
         scaler = ctx.runtime.grad_scaler()
+        load_balance, settings = self._load_balance(ctx)
         for _ in range(phase.steps):
             x, y = self.interleaved_batch(ctx, phase, gen)
-            train_step(ctx.model, x, y, [p for _, p in named], opt, self.train.grad_clip, scaler,
-                       ctx.runtime.micro_batches_of(ctx.client),
-                       lambda: self.train.lb_weight * model_load_balance(ctx.model, self.train.load_balance))
+            if self.train.runtime_of(ctx.client) == "executorch":  # the router step in the device runtime too
+                executorch_step(ctx.model, x, y, named, opt, self.train.grad_clip, load_balance, settings)
+            else:
+                train_step(ctx.model, x, y, [p for _, p in named], opt, self.train.grad_clip, scaler,
+                           ctx.runtime.micro_batches_of(ctx.client), load_balance)
         keep_optimizer(state, phase.key, opt, self.train)
+
+    def _load_balance(self, ctx: ClientContext):
+        """(the load-balance term of a step's forward, its settings): what an ExecuTorch step adds to
+        its CE, exactly the term ``train_step``'s ``extra`` adds on the PyTorch path (eq. 7-8)."""
+        lb_weight, weighting = self.train.lb_weight, self.train.load_balance
+        return (lambda: lb_weight * model_load_balance(ctx.model, weighting)), (lb_weight, weighting)
 
     def interleaved_batch(self, ctx: ClientContext, phase: InterleavedSteps, gen: torch.Generator):
         """A batch of one ``interleaved`` step, from the client's ``phase.split``: the one place both

@@ -115,21 +115,19 @@ class Refusals:
     def executorch_refusal(self) -> str | None:
         """Why this method's local steps cannot run in ExecuTorch's training runtime
         (``train.client_runtime=executorch``: models/executorch_training.py), one line, or None.
-        The exported program is the contract's expert step of plain LoRA: the LM loss over the
-        adapters, nothing interleaved, nothing added to the loss."""
+        The exported program is the contract's step: the LM loss plus the load balance over the
+        adapters (plain LoRA, or a mixture's experts and linear routers), the interleaved router
+        steps (CoMiGS) run by the same program on their own batches."""
         if self.pooled or not self.trains or self.device_spec(0) is not None:
             return "its devices do not train adapters over the one shared base"
         own = [name for name in ("client_round", "local_training", "regularizer", "after_expert_step", "train_batch")
                if getattr(type(self), name) is not getattr(_contract(type(self)), name)]
         if own:
             return f"it writes its own {', '.join(own)}, which the exported step does not run"
-        if self.interleaved() is not None:
-            return "its router steps (a second optimiser on validation batches) are not in the exported program yet"
         for c in range(self.n_clients):
             cfg = self.adapter_config(c)
-            if cfg.mlp == "mixture" or cfg.amole or cfg.lease or cfg.prompt or cfg.personal or cfg.merged \
-                    or cfg.attention_personal:
-                return "its adapters are not plain LoRA, whose step alone the exported program holds yet"
+            if cfg.amole or cfg.lease or cfg.prompt or cfg.personal or cfg.merged or cfg.attention_personal:
+                return "its adapters are not plain LoRA or a LoRA mixture, whose steps alone the exported program holds yet"
             if any(lora.dropout > 0 for lora in (cfg.lora, cfg.mlp_lora) if lora is not None):
                 return "its LoRA dropout would draw masks inside the program, not from comix's seeded generator"
         return None

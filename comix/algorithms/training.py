@@ -96,8 +96,18 @@ class TrainConfig:
     # of the shared parameters; the upload adds each one's variate delta (algorithms/scaffold.py)
     scaffold: bool = False
     # where a device's local steps run: pytorch | executorch (each step's forward-backward in
-    # ExecuTorch's training runtime, the program a phone runs: models/executorch_training.py)
-    client_runtime: str = "pytorch"
+    # ExecuTorch's training runtime, the program a phone runs: models/executorch_training.py), or
+    # one per client (a federation some of whose devices train in ExecuTorch)
+    client_runtime: str | list[str] = "pytorch"
+
+    def runtime_of(self, client: int) -> str:
+        """Where client ``client``'s local steps run (``client_runtime``)."""
+        return self.client_runtime if isinstance(self.client_runtime, str) else self.client_runtime[client]
+
+    @property
+    def runtimes(self) -> set[str]:
+        """Every runtime some client's local steps run in."""
+        return {self.client_runtime} if isinstance(self.client_runtime, str) else set(self.client_runtime)
 
 
 # FedAMoLE journal Sec. V-A-4: "the Adam optimizer with ... a learning rate 5e-5 ... and a learning
@@ -291,16 +301,20 @@ def apply_step(params: list[nn.Parameter], grads: list[torch.Tensor], opt: torch
 
 
 def executorch_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, named: list[tuple[str, nn.Parameter]],
-                    opt: torch.optim.Optimizer, clip: float) -> torch.Tensor:
+                    opt: torch.optim.Optimizer, clip: float, extra=None, extra_key: tuple = ()) -> torch.Tensor:
     """``train_step`` with the loss's forward and backward run by ExecuTorch's training runtime
-    (``train.client_runtime=executorch``): the program loads the adapters, returns the loss and
-    their gradients, and AdamW steps over those here (the runtime's only optimiser is SGD)."""
-    from ..models.executorch_training import program_for
-    program = program_for(model, x, y)
-    if set(program.names) != {n for n, _ in named}:
-        raise RuntimeError("the ExecuTorch program trains other tensors than the step's optimiser holds")
-    program.load(named)
+    (``train.client_runtime=executorch``): the program takes the model's current adapters (all of
+    them: a router step's forward reads the experts, an expert step's the router), returns the CE
+    and the gradients of CE + ``extra()`` (a term of the same forward, keyed by ``extra_key``), and
+    AdamW steps over ``named``'s gradients here (the runtime's only optimiser is SGD)."""
+    from ..models.executorch_training import program_for, watch_step
+    program = program_for(model, x, y, extra, extra_key)
+    missing = {n for n, _ in named} - set(program.names)
+    if missing:
+        raise RuntimeError(f"the ExecuTorch program does not train {sorted(missing)[:3]}, which the step's optimiser holds")
+    program.load_from(model)
     loss, grads = program.forward_backward(x, y)
+    watch_step(model, x, program)
     apply_step([p for _, p in named], [grads[n] for n, _ in named], opt, clip)
     return loss.detach()
 

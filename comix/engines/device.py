@@ -286,6 +286,8 @@ class Device:
             torch.manual_seed((self.seed * 1_000_003 + self.client) * 1_000_003 + state.step)
             state, upload, metrics = self.algorithm.client_round(self.context(), state, payload)
         metrics["tokens"] = footprint.tokens
+        if self.algorithm.train.runtime_of(self.client) != "pytorch":  # (a federation some of whose devices do)
+            metrics["client_runtime"] = self.algorithm.train.runtime_of(self.client)
         self.store[self.client] = state
         return self.reply(payload, upload, metrics, time.perf_counter() - t0, footprint.peak)
 

@@ -11,6 +11,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..models.executorch_training import STEP_WATCHERS
+
 
 def _storage(t) -> tuple[torch.UntypedStorage | None, int]:
     """A tensor's storage and its address; (None, 0) for anything else, a meta tensor or a tensor
@@ -99,6 +101,14 @@ class Footprint:
                 self.mode = StepPeak()
                 self.mode.__enter__()
 
+    def executorch_step(self, model: nn.Module, ids: torch.Tensor, program) -> None:
+        """A step of this client's model run by ExecuTorch's training runtime
+        (models/executorch_training.py): its tokens, and as its peak the memory the program's
+        planner gives the step's non-constant tensors, what the runtime allocates for it."""
+        if model is self.model:
+            self.tokens += ids.numel()
+            self.peak, self.measured = max(self.peak, program.planned_bytes), True
+
     def _stop(self):
         self.mode.__exit__(None, None, None)
         self.peak, self.mode, self.measured = self.mode.peak, None, True
@@ -106,9 +116,11 @@ class Footprint:
 
     def __enter__(self):
         self.handle = self.model.register_forward_pre_hook(self.forward, with_kwargs=True)
+        STEP_WATCHERS.append(self.executorch_step)
         return self
 
     def __exit__(self, *exc):
         if self.mode is not None:
             self._stop()
         self.handle.remove()
+        STEP_WATCHERS.remove(self.executorch_step)

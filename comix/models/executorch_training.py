@@ -5,8 +5,17 @@ its XOR and CIFAR examples): the model with its loss as the first output is expo
 (``torch.export``), ``torch.export.experimental._export_forward_backward`` adds the backward graph
 for the parameters that require a gradient, and the runtime's ``TrainingModule.forward_backward``
 returns the loss and fills ``named_gradients``. Here the model is a frozen base with comix's
-adapters (models/inject.py) and the loss is the one every local step minimises for plain LoRA
-(``algorithms.training.lm_loss``: mean next-token cross-entropy over the targets not -100).
+adapters (models/inject.py) and the loss is the one a local step minimises: the mean next-token
+cross-entropy over the targets not -100 (``algorithms.training.lm_loss``) plus the method's term of
+the same forward (``extra``: CoMiGS's load balance over the routing of that forward, eq. 7-8).
+
+Every trainable tensor of the model is a parameter of the one program (a mixture's experts *and*
+its routers): CoMiGS alternates expert steps and router steps over the same forward, each step
+reading the gradients of its own tensors only, so one program serves both, and the gradient the
+runtime also computes for the other set is dropped, not applied. Before each forward-backward the
+program takes every trainable tensor's current value (``load_from``): a router step changes what
+the next expert step's forward computes, and a program that kept a stale router would train the
+experts behind a router the device no longer has.
 
 What the runtime does not have is AdamW: its only optimiser is SGD (``get_sgd_optimizer``). So the
 step's update is PyTorch's AdamW over the gradients the program returns (the caller's
@@ -21,21 +30,24 @@ One lowering fix: the exported backward of the MLP allocates autograd buffers wi
 from __future__ import annotations
 
 import weakref
+from typing import Callable
 
 import torch
 from torch import nn
 
 
 class _WithLoss(nn.Module):
-    """The model with ``lm_loss`` as its output (the runtime trains on a program's first output)."""
+    """The model with its training loss as the first output (the runtime trains on it) and the
+    cross-entropy alone as the second (what a step reports, as ``train_step`` does)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, extra: Callable[[], torch.Tensor] | None):
         super().__init__()
-        self.model = model
+        self.model, self.extra = model, extra
 
     def forward(self, x: torch.Tensor, y: torch.Tensor):
         logits = self.model(input_ids=x, use_cache=False).logits[:, -x.shape[1]:]
-        return (nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1)),)
+        ce = nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+        return (ce + self.extra() if self.extra is not None else ce), ce.detach()
 
 
 def _plain_empty(program) -> None:
@@ -51,13 +63,16 @@ def _plain_empty(program) -> None:
 
 
 class ExecuTorchTraining:
-    """``model``'s training step (forward and backward of ``lm_loss``) as an ExecuTorch training
-    program, for batches shaped as ``x`` (token ids) and ``y`` (targets). The trained tensors are
-    the model's parameters that require a gradient, by their names in ``model``; everything else
-    (the frozen base) is baked into the program as constants. Eager attention: the exported
-    backward of SDPA is not one the portable kernels run here."""
+    """``model``'s training step (forward and backward of ``lm_loss`` plus ``extra()``, a term of the
+    same forward) as an ExecuTorch training program, for batches shaped as ``x`` (token ids) and
+    ``y`` (targets). The trained tensors are the model's parameters that require a gradient, by
+    their names in ``model``; everything else (the frozen base) is baked into the program as
+    constants. Eager attention: the exported backward of SDPA is not one the portable kernels run
+    here. The mixture's eager slot function (``compiled`` off while exporting): the compiled one is
+    the same function (models/mixture.py), and export traces Python, not a compiled graph."""
 
-    def __init__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor):
+    def __init__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                 extra: Callable[[], torch.Tensor] | None = None):
         from executorch.exir import ExecutorchBackendConfig, to_edge
         from executorch.extension.training import _load_for_executorch_for_training_from_buffer
         from torch.export.experimental import _export_forward_backward
@@ -66,12 +81,23 @@ class ExecuTorchTraining:
             raise ValueError("the model has no parameter to train (none requires a gradient)")
         attention = model.config._attn_implementation
         model.config._attn_implementation = "eager"
+        compiled = [m for m in model.modules() if getattr(m, "compiled", False)]
+        for m in compiled:
+            m.compiled = False
         try:
-            program = _export_forward_backward(torch.export.export(_WithLoss(model), (x, y), strict=False))
+            program = _export_forward_backward(torch.export.export(_WithLoss(model, extra), (x, y), strict=False))
         finally:
             model.config._attn_implementation = attention
+            for m in compiled:
+                m.compiled = True
         _plain_empty(program)
-        self.buffer = to_edge(program).to_executorch(config=ExecutorchBackendConfig()).buffer
+        manager = to_edge(program).to_executorch(config=ExecutorchBackendConfig())
+        self.buffer = manager.buffer
+        # the memory ExecuTorch's planner gives the step's non-constant tensors (activations kept
+        # for the backward, its transients, the gradients): what the runtime allocates for a step,
+        # the measure a device's ``activation_mb`` takes on this path (engines/footprint.py)
+        self.planned_bytes = sum(sum(plan.non_const_buffer_sizes) for plan in manager.executorch_program.execution_plan
+                                 if plan.name == "forward")
         self.module = _load_for_executorch_for_training_from_buffer(self.buffer)
         self.module.forward_backward("forward", (x, y))  # the runtime lists its parameters only after one
         self.params = {n.removeprefix("model."): t for n, t in self.module.named_parameters().items()}
@@ -81,31 +107,49 @@ class ExecuTorchTraining:
 
     @torch.no_grad()
     def load(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        """The program's trained tensors set to ``named``'s values (the adapters after a step)."""
+        """The program's trained tensors named in ``named`` set to its values."""
         for n, p in named:
             self.params[n].copy_(p.detach().to(self.params[n].dtype))
 
+    def load_from(self, model: nn.Module) -> None:
+        """Every trained tensor of the program set to ``model``'s current value (the module's
+        docstring: the tensors one step does not train are read by its forward all the same)."""
+        own = dict(model.named_parameters())
+        self.load([(n, own[n]) for n in self.names])
+
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """(the batch's loss, each trained tensor's gradient by name), both computed by the runtime;
-        the gradients are copies (the program reuses its buffers on the next call)."""
-        loss = self.module.forward_backward("forward", (x, y))[0]
+        """(the batch's cross-entropy, each trained tensor's gradient of the whole loss by name),
+        both computed by the runtime; copies (the program reuses its buffers on the next call)."""
+        _, ce = self.module.forward_backward("forward", (x, y))
         grads = {n.removeprefix("model."): g.clone() for n, g in self.module.named_gradients().items()}
-        return loss.clone(), grads
+        return ce.clone(), grads
 
 
 _PROGRAMS: dict[tuple, ExecuTorchTraining] = {}
 
+# Who watches the steps a program runs for a model (engines/footprint.py's Footprint: a step in the
+# runtime calls no PyTorch forward, so the hook that counts a PyTorch step's tokens never fires)
+STEP_WATCHERS: list[Callable[[nn.Module, torch.Tensor, ExecuTorchTraining], None]] = []
 
-def program_for(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> ExecuTorchTraining:
+
+def watch_step(model: nn.Module, x: torch.Tensor, program: ExecuTorchTraining) -> None:
+    """Tell every watcher that ``program`` ran a step of ``model`` on the token ids ``x``."""
+    for watch in STEP_WATCHERS:
+        watch(model, x, program)
+
+
+def program_for(model: nn.Module, x: torch.Tensor, y: torch.Tensor, extra: Callable[[], torch.Tensor] | None = None,
+                extra_key: tuple = ()) -> ExecuTorchTraining:
     """The training program of ``model``'s architecture for batches of ``x``'s shape, exported once
     per run: keyed by the frozen base's tensors themselves (every client model of a run shares
     them: engines/inprocess.py copies the base with its tensors as they are), the trained tensors'
-    names and shapes and the batch shape; each step loads the client's own adapters into it."""
+    names and shapes, the batch shape and ``extra_key`` (what ``extra`` computes: its settings, as
+    the load balance's weight and weighting); each step loads the client's own adapters into it."""
     base = next(t for t in model.parameters() if not t.requires_grad)
     key = (id(base), tuple((n, tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad),
-           tuple(x.shape), tuple(y.shape))
+           tuple(x.shape), tuple(y.shape), extra is not None, extra_key)
     program = _PROGRAMS.get(key)
     if program is None or program.base() is not base:  # (a freed base's id reused by another tensor)
-        program = _PROGRAMS[key] = ExecuTorchTraining(model, x, y)
+        program = _PROGRAMS[key] = ExecuTorchTraining(model, x, y, extra)
         program.base = weakref.ref(base)
     return program

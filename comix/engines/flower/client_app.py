@@ -29,6 +29,7 @@ from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFI
 
 from ...algorithms import REGISTRY
 from ...specs import build_algorithm, split_spec
+from ...combinations import combination_problem
 from ...config import load_config
 from ...data import load_corpus, make_user_data
 from ...data.corpora import user_folder
@@ -86,6 +87,16 @@ def device_for(run: dict, context: Context, read: int, write: int) -> Device:
     node = context.node_config
     client = int(node["client-id"] if "client-id" in node else node["partition-id"])  # partition-id: simulation
     cfg = load_config(text=run["config"])
+    if "client-runtime" in node:  # where this device trains, its own: a phone whose steps run in ExecuTorch
+        own = str(node["client-runtime"])
+        if own not in ("pytorch", "executorch"):
+            raise ValueError(f"node config client-runtime must be pytorch or executorch, got {own!r}")
+        runtimes = [cfg.train.runtime_of(c) for c in range(run["n_clients"])]
+        runtimes[client] = own
+        cfg.train.client_runtime = runtimes
+        why = combination_problem(cfg)
+        if why:
+            raise ValueError(f"node config client-runtime={own}: {why}")
     name = split_spec(run["method"])[0]
     torch.set_num_threads(int(node.get("threads", 1)))
     algo = build_algorithm(cfg, run["method"], run["n_clients"])
