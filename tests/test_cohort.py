@@ -496,14 +496,17 @@ def test_under_bf16_a_cohort_computes_with_bf16_adapters_and_updates_fp32_master
 def test_a_bf16_cohort_run_equals_the_bf16_run_one_client_at_a_time(setup, tmp_path, method):
     """The engine path under bf16 (CPU autocast): per round and user, every training metric, every
     upload and the final adapters of a cohort of 3 equal the run one client at a time, and the
-    clients keep fp32 adapters (the masters restored). Tolerance from measured bf16 rounding: on
-    this setup the two executors differ by at most 1.7e-6 (uploads, relative norm) and 4.4e-7
-    (metrics), a bf16 product over another row count rounding differently; 1e-4 leaves 60x of
-    that, while a sequential round computing with the round's first bf16 copies (a cast cache
-    spanning the round) is 9.4e-2 off in its uploads and 3.6e-2 in its update norms."""
+    clients keep fp32 adapters (the masters restored). Tolerance from measured bf16 rounding: a bf16
+    product over another row count rounds differently, and where one element's rounding flips, the
+    upload it reaches moves by about a bf16 ulp times that element's share. Measured (relative norm):
+    at most 1.7e-6 in the uploads and 4.4e-7 in the metrics on an Intel Xeon (an install of
+    2026-12-03); 1.03e-4 in one CoMiGS upload (one k_proj lora_B, every other upload below 1e-6)
+    on an AMD EPYC with transformers 5.25 (2026-12-04), the same on CI's machine. 1e-3 leaves ~10x
+    over that, while a sequential round computing with the round's first bf16 copies (a cast cache
+    spanning the round) is 9.4e-2 off in its uploads and 3.6e-2 in its update norms: ~90x beyond."""
     seq = _run(setup, tmp_path, method, 1, precision="bf16")
     together = _run(setup, tmp_path, method, 3, precision="bf16")
-    _assert_same(seq, together, rel=1e-4)
+    _assert_same(seq, together, rel=1e-3)
     finals = together[2]["a"]
     assert {t.dtype for t in finals.values()} == {torch.float32}
     rows = [json.loads(ln) for ln in (together[3] / "metrics.jsonl").read_text().splitlines()]

@@ -160,10 +160,13 @@ def test_a_sampled_scaffold_run_keeps_c_the_mean_of_every_client_s_c_i_and_resum
 def test_a_scaffold_cohort_trains_each_client_as_it_would_train_alone(setup, tmp_path, method):
     """The correction in CohortAdamW (each member's c - c_i on its rows, after its step at its lr)
     equals the sequential executor's: uploads (variate deltas included), metrics and final
-    adapters, at the tolerance FedProx's cohort meets."""
+    adapters. A variate is a weight difference over K * lr (option II), so it carries the weights'
+    fp32 summation-order differences (below 1.5e-6 here) enlarged by |w| / |w - w_round|: measured
+    at most 1.7e-4 in a CoMiGS variate (AMD EPYC, transformers 5.25, 2026-12-04; every weight
+    below 1e-5); 1e-3 leaves ~6x, while the plain run's uploads are 2.8e-2 away."""
     seq = _run(setup, tmp_path, method, 1, scaffold=True, rounds=3)
     together = _run(setup, tmp_path, method, 3, scaffold=True, rounds=3)
-    _assert_same(seq, together, rel=1e-4)
+    _assert_same(seq, together, rel=1e-3)
     controls = [n for n in together[1][1][0] if scaffold.is_control(n)]
     assert controls
     plain = _run(setup, tmp_path / "plain", method, 3, rounds=3)
