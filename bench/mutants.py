@@ -26,7 +26,7 @@ EXPORT = ("tests/test_export.py",)
 GGUF = ("tests/test_device_export.py", "-k", "gguf or q_and_k or qwen2")
 COHORT = ("tests/test_cohort.py",)
 FDLORA = ("tests/test_baselines.py", "-k", "fdlora")
-EXECUTORCH = ("tests/test_executorch_training.py", "-k", "run_whose or mixture_round")
+EXECUTORCH = ("tests/test_executorch_training.py", "-k", "run_whose or mixture_round or mixture_step")
 QUANT = ("tests/test_quant.py", "tests/test_quant_q4.py", "tests/test_fleet.py", "-k", "quant or q4 or int8 or nf4")
 
 

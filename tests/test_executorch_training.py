@@ -196,3 +196,42 @@ def test_a_mixture_round_in_executorch_runs_every_step_there_and_uploads_what_th
         declared = algo.expected_upload(server_state, c, reference[c])
         assert set(upload) == set(declared) and algo.check_upload(upload, declared) is None
         assert {param_role(n) for n in upload} == EXPECTED_SHARED["comigs-1gxs"]
+
+
+def test_an_executorch_mixture_step_minimises_the_ce_plus_the_load_balance():
+    """One SGD step of a CoMiGS-1G3S model (top-2 of 4 experts: in 1G1S every token goes to both
+    experts and the uniform balance is constant) (load balance at weight 1, B factors non-zero) through
+    the program ends where ``train_step`` with the same load balance ends, and away from where the
+    CE alone would take it: a program exported without the load balance (eq. 7-8) is caught here,
+    where the runs' default weight of 0.01 moves their scores below their tolerance."""
+    from comix.algorithms.base import ClientContext
+    from comix.algorithms.comigs import CoMiGS
+    from comix.algorithms.training import executorch_step
+    base, _ = load_base_model("tiny-llama")
+    algo = CoMiGS(LoRAConfig(r=4), TrainConfig(lb_weight=1.0), 3, experts=4)
+    model = ClientModels(base, algo).for_client(0)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in named:
+            if "lora_B" in n:
+                p.copy_(0.02 * torch.randn(p.shape, generator=gen))
+    start = {n: p.detach().clone() for n, p in named}
+    x = torch.randint(0, 250, (2, 16), generator=gen)
+    y = torch.randint(0, 250, (2, 16), generator=gen)
+    load_balance, settings = algo._load_balance(ClientContext(client=0, model=model, data=None, train=algo.train))
+
+    def one_step(step) -> dict:
+        with torch.no_grad():
+            for n, p in named:
+                p.copy_(start[n])
+        step(torch.optim.SGD([p for _, p in named], lr=1.0))
+        return {n: p.detach().clone() for n, p in named}
+    executorch = one_step(lambda opt: executorch_step(model, x, y, named, opt, 0.0, load_balance, settings))
+    pytorch = one_step(lambda opt: train_step(model, x, y, [p for _, p in named], opt, 0.0, extra=load_balance))
+    ce_only = one_step(lambda opt: train_step(model, x, y, [p for _, p in named], opt, 0.0))
+    routers = [n for n in start if "router" in n]
+    assert routers
+    for n in start:
+        assert torch.allclose(executorch[n], pytorch[n], atol=1e-6), n
+    assert max(float((pytorch[n] - ce_only[n]).abs().max()) for n in routers) > 1e-3
