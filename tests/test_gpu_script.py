@@ -77,3 +77,25 @@ def test_the_cohort_bench_table_shows_speedups_mfu_and_the_mixture_ratio():
     text = cohort_table(json.dumps(result))
     assert "| mixture n=8 | 16 | 300.0 | 54,613 | 10.67 | 16,000 | 7.6% | 5.4% | 1.08 | 9,000 |" in text
     assert "MFU of nominal peak" in text and "0.70 TFLOP/s" not in text and "700.00 TFLOP/s" in text
+
+
+def test_the_cohort_bench_counts_grouped_query_attention_as_its_heads_broadcast():
+    """SmolLM2 attends with 3 KV heads for 9 query heads; torch 2.11's fused-attention formulas
+    (the H200 image's) raised on those shapes and the H200's cohort bench died there (2026-12-04).
+    bench/cohort.py's formulas count each KV head once for every query head it serves: the
+    forward's two products (QK^T, PV) and the backward's at h_q heads, as torch counts equal
+    heads (on torch 2.11 the unpatched count raises here; a backward counted as a forward fails)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    sys.path.insert(0, str(ROOT / "bench"))
+    from cohort import gqa_sdpa_formulas
+    aten = torch.ops.aten
+    registry = FlopCounterMode(display=False, custom_mapping=gqa_sdpa_formulas()).flop_registry
+    q = torch.empty(2, 9, 16, 64, device="meta")
+    kv = torch.empty(2, 3, 16, 64, device="meta")
+    for kind in ("flash", "efficient", "cudnn"):
+        fwd = registry[getattr(aten, f"_scaled_dot_product_{kind}_attention")]
+        bwd = registry[getattr(aten, f"_scaled_dot_product_{kind}_attention_backward")]
+        assert fwd(q, kv, kv, out_val=None) == 2 * (2 * 2 * 9 * 16 * 16 * 64)
+        assert fwd(q, kv, kv, out_val=None) == fwd(q, q, q, out_val=None)
+        assert bwd(q, q, kv, kv, out_val=None) == bwd(q, q, q, q, out_val=None) > fwd(q, q, q, out_val=None)
