@@ -629,27 +629,36 @@ def test_a_captured_cohort_step_equals_the_eager_one(setup, precision, compiled)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
     train = _train(lr=1e-3, grad_clip=0.5, weight_decay=0.01, load_balance="uniform", lb_weight=0.01)
     steps, results = [], []
-    for capture in (False, True):
+    # eager, eager again, captured: CUDA's bf16 backward of the top-k mixture adds into shared rows
+    # with atomics (index_add_), so two eager runs may differ in bf16's last bit; the captured run
+    # must lie within a few times that floor (1e-5 where the eager runs agree), and the floor must
+    # stay far below what a baked-in rate moves (the rates here grow 8x over the steps)
+    for capture in (False, False, True):
         model = set_compiled(copy.deepcopy(stacked), compiled).cuda()
         params = [p for p in model.parameters() if p.requires_grad]
         masters = CohortMasters(params, dtype)
         step = CohortStep(model, params, CohortAdamW(params, train, master=masters.of(params)), train, capture=capture)
         g = torch.Generator().manual_seed(0)
         ces = []
-        with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+        # the engine's autocast (Runtime.autocast): no cast cache
+        with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32, cache_enabled=False):
             for i in range(8):
                 x = torch.randint(0, 200, (4, 12), generator=g)
                 ces.append(step(x, torch.roll(x, -1, 1), [1e-3 * (i + 1), 2e-3]))
         masters.restore()
         steps.append(step)
         results.append((torch.stack(ces).cpu(), [p.detach().cpu() for p in params]))
-    # each assertion says what differed: the H200 run of 2026-12-04 failed the bf16 case and its log was
-    # lost, so the next GPU run's one line must tell a broken capture from a rounding gap
-    assert not steps[0].captured and steps[1].captured, f"{precision}: the step was not captured (its cause is logged)"
-    gap = float((results[0][0] - results[1][0]).abs().max())
-    assert torch.allclose(results[0][0], results[1][0], rtol=1e-5), f"{precision}: CE differs by {gap:.3g}"
-    for i, (a, b) in enumerate(zip(results[0][1], results[1][1])):
-        assert _close(a, b, 1e-5), f"{precision}: parameter {i} differs by {float((a - b).abs().max()):.3g}"
+
+    def rel(a, b):
+        return float(torch.linalg.vector_norm(a - b)) / max(float(torch.linalg.vector_norm(a)), 1e-12)
+    (ce0, p0), (ce1, p1), (ce2, p2) = results
+    floor_ce, floor_p = rel(ce0, ce1), max(rel(a, b) for a, b in zip(p0, p1))
+    # each assertion says what differed (the H200 run of 2026-12-04 failed the bf16 case, its log lost)
+    assert floor_ce < 1e-3 and floor_p < 1e-3, f"{precision}: two eager runs differ by {floor_ce:.3g} (CE), {floor_p:.3g}"
+    assert not steps[0].captured and steps[2].captured, f"{precision}: the step was not captured (its cause is logged)"
+    assert rel(ce0, ce2) <= max(1e-5, 4 * floor_ce), f"{precision}: CE differs by {rel(ce0, ce2):.3g}, floor {floor_ce:.3g}"
+    for i, (a, b) in enumerate(zip(p0, p2)):
+        assert rel(a, b) <= max(1e-5, 4 * floor_p), f"{precision}: parameter {i} differs by {rel(a, b):.3g}, floor {floor_p:.3g}"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
