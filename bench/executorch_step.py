@@ -6,7 +6,8 @@ PyTorch: the main job's batch (4 x 128 tokens), the same client model, the same 
 
 Measured: the export (``torch.export`` + ``_export_forward_backward`` + lowering) once, its wall
 time and the process's resident-memory rise over it; the program's size (its frozen base baked in
-as constants) and the trained tensors' bytes (what a device holds and uploads from); one expert
+as constants), its external weights file (the .ptd of the trained tensors) and the trained tensors'
+bytes (what a device holds and uploads from); one expert
 step's time in each runtime, interleaved after a warm-up (paired ratio ExecuTorch / PyTorch); each
 step's memory: PyTorch's as comix measures every device's (engines/footprint.py StepPeak, the
 bytes its tensors hold at once), ExecuTorch's as its memory planner allots (the program's
@@ -90,14 +91,15 @@ def main() -> None:
            "step_s": {k: statistics.median(v) for k, v in times.items()}, "step_s_all": times,
            "paired_ratio_executorch_over_pytorch": paired_ratio(times["executorch"], times["pytorch"]),
            "export_s": export_s, "export_rss_rise_mb": export_rss,
-           "program_mb": len(program.buffer) / 2**20, "trained_tensors_mb": trained / 2**20,
+           "program_mb": len(program.buffer) / 2**20, "weights_file_mb": len(program.weights) / 2**20,
+           "trained_tensors_mb": trained / 2**20,
            "step_memory_mb": {"pytorch_step_peak": peak.peak / 2**20, "executorch_planned": program.planned_bytes / 2**20},
            "command": "python bench/executorch_step.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
            "torch": torch.__version__, "machine": f"{os.cpu_count()} cores of an {footprint.cpu_name()}",
            "threads": torch.get_num_threads(), "bench_peak_rss_mb": round(footprint.peak_rss_mb(), 1)}
     footprint.write_result(Path(args.out), fig)
     for k in ("first_step_loss", "step_s", "paired_ratio_executorch_over_pytorch", "export_s", "export_rss_rise_mb",
-              "program_mb", "trained_tensors_mb", "step_memory_mb"):
+              "program_mb", "weights_file_mb", "trained_tensors_mb", "step_memory_mb"):
         print(f"{k}: {fig[k]}")
 
 

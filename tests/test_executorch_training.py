@@ -49,6 +49,25 @@ def test_the_programs_loss_and_gradients_are_autograds_over_the_adapters_only(fe
         assert torch.allclose(grads[n], g, atol=1e-6, rtol=1e-5), n
 
 
+def test_the_trained_tensors_live_in_the_programs_external_weights_and_a_write_there_is_read(fedavg_model):
+    """The adapters are the program's external mutable weights (a .ptd beside the .pte): each has
+    memory of its own in the runtime (the .ptd stores equal tensors once: a fresh round's zero B
+    factors), and a value written into the program's parameter is the one its next forward
+    computes with (a program that read a copy made at load computes the old loss)."""
+    model, x, y, program = fedavg_model
+    named = expert_params(model)
+    assert program.weights and len({program.params[n].data_ptr() for n, _ in named}) == len(named)
+    program.load(named)
+    before, _ = program.forward_backward(x, y)
+    b = next(n for n, _ in named if "lora_B" in n)
+    with torch.no_grad():
+        program.params[b].add_(0.5)
+    after, _ = program.forward_backward(x, y)
+    assert abs(float(after) - float(before)) > 1e-4
+    program.load(named)
+    assert float(program.forward_backward(x, y)[0]) == pytest.approx(float(before), rel=1e-6)
+
+
 def test_adamw_steps_over_the_programs_gradients_end_where_train_step_ends(fedavg_model):
     """Three steps each way from the same adapters (the program reloaded after every update; a stale
     program, or gradients read before the backward, would drift from the first step on)."""

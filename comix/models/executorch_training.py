@@ -29,7 +29,9 @@ One lowering fix: the exported backward of the MLP allocates autograd buffers wi
 """
 from __future__ import annotations
 
+import tempfile
 import weakref
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -66,15 +68,16 @@ class ExecuTorchTraining:
     """``model``'s training step (forward and backward of ``lm_loss`` plus ``extra()``, a term of the
     same forward) as an ExecuTorch training program, for batches shaped as ``x`` (token ids) and
     ``y`` (targets). The trained tensors are the model's parameters that require a gradient, by
-    their names in ``model``; everything else (the frozen base) is baked into the program as
-    constants. Eager attention: the exported backward of SDPA is not one the portable kernels run
+    their names in ``model``, held in the program's external weights (``weights``, a .ptd's bytes);
+    everything else (the frozen base) is baked into the program (``buffer``, the .pte) as constants. Eager attention: the exported backward of SDPA is not one the portable kernels run
     here. The mixture's eager slot function (``compiled`` off while exporting): the compiled one is
     the same function (models/mixture.py), and export traces Python, not a compiled graph."""
 
     def __init__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
                  extra: Callable[[], torch.Tensor] | None = None):
         from executorch.exir import ExecutorchBackendConfig, to_edge
-        from executorch.extension.training import _load_for_executorch_for_training_from_buffer
+        from executorch.extension.pybindings.portable_lib import _load_for_executorch_from_buffer
+        from executorch.extension.training.pybindings._training_module import TrainingModule
         from torch.export.experimental import _export_forward_backward
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]
         if not self.names:
@@ -91,14 +94,25 @@ class ExecuTorchTraining:
             for m in compiled:
                 m.compiled = True
         _plain_empty(program)
-        manager = to_edge(program).to_executorch(config=ExecutorchBackendConfig())
+        # the trained tensors as the program's external mutable weights (a .ptd file beside the .pte,
+        # executorch/exir/capture/_config.py ``external_mutable_weights``): the program a device keeps
+        # for its architecture, and the small file of adapters a round rewrites
+        manager = to_edge(program).to_executorch(config=ExecutorchBackendConfig(external_mutable_weights=True))
         self.buffer = manager.buffer
+        with tempfile.TemporaryDirectory() as folder:
+            manager.write_tensor_data_to_file(folder)
+            files = list(Path(folder).glob("*.ptd"))
+            if len(files) != 1:
+                raise RuntimeError(f"the training program's export wrote {len(files)} weight files, not one .ptd")
+            self.weights = files[0].read_bytes()  # held here: the runtime reads its tensors from this buffer
         # the memory ExecuTorch's planner gives the step's non-constant tensors (activations kept
         # for the backward, its transients, the gradients): what the runtime allocates for a step,
         # the measure a device's ``activation_mb`` takes on this path (engines/footprint.py)
         self.planned_bytes = sum(sum(plan.non_const_buffer_sizes) for plan in manager.executorch_program.execution_plan
                                  if plan.name == "forward")
-        self.module = _load_for_executorch_for_training_from_buffer(self.buffer)
+        # the training module's own loader takes no data file: the portable runtime's does, and
+        # TrainingModule wraps any loaded module (executorch/extension/training/pybindings/_training_module.py)
+        self.module = TrainingModule(_load_for_executorch_from_buffer(self.buffer, self.weights))
         self.module.forward_backward("forward", (x, y))  # the runtime lists its parameters only after one
         self.params = {n.removeprefix("model."): t for n, t in self.module.named_parameters().items()}
         missing = set(self.names) - set(self.params)
