@@ -608,16 +608,24 @@ def test_recipes_give_fedjets_devices_the_one_shot_devices_step_budget():
     from comix.config import load_config
     from comix.specs import spec_config, split_spec
     recipes = sorted((Path(__file__).parents[1] / "configs" / "deepfusion").glob("*.yaml"))
-    assert len(recipes) == 15
+    assert len(recipes) == 16
     gemma = [p for p in recipes if "-gemma-" in p.name]
-    assert [p.name for p in gemma] == ["cpu-qa-open-gemma-n4.yaml"]
-    two = load_config(str(gemma[0]))
-    # the one-shot KD methods and both controls (CE only, untrained teachers) on the same 3 seeds, on
-    # public text of the devices' own domains (the premise's ground), teachers trained long enough
-    assert set(two.methods) == {"deepfusion", "deepfusion-ce", "fedkmt", "deepfusion:device_steps=0",
-                                "deepfusion-ce:device_steps=0"}
-    assert two.seeds == [42, 62, 82] and not two.data.public_corpus and two.data.public_frac > 0
-    assert two.train.local_steps >= 200
+    assert [p.name for p in gemma] == ["cpu-qa-open-gemma-n4.yaml", "paper-qa-open-gemma-n16.yaml"]
+    for path in gemma:
+        two = load_config(str(path))
+        # the one-shot KD methods and the controls (CE only; FedKMT and VAA beside untrained teachers) on
+        # the same 3 seeds, each its own split, on public text of the devices' own domains (the
+        # premise's ground), teachers of two families trained long enough
+        assert {"deepfusion", "deepfusion-ce", "fedkmt", "deepfusion:device_steps=0", "fedkmt:device_steps=0"} \
+            <= set(two.methods), path.name
+        assert two.seeds == [42, 62, 82] and not two.data.public_corpus and two.data.public_frac > 0
+        assert len(set(two.data.seed.values())) == 3, path.name
+        assert two.train.local_steps >= 200 and "gemma3-270m" in two.deepfusion.devices
+        assert any(not d.startswith("gemma") for d in two.deepfusion.devices), path.name
+    # at the paper's N, teachers that can be ahead of the student on the pooled public text: the
+    # student's own family at full width among them, and 3x the CPU case's device steps
+    paper = load_config(str(gemma[1]))
+    assert paper.data.clients == 16 and "base" in paper.deepfusion.devices and paper.train.local_steps == 600
     # the alpha sweep: the KD methods, alpha chosen on the server's validation documents, trained
     # teachers and the untrained-teacher control, 3 seeds; at the paper's scale (a GPU job) the same
     # question with a second family (Gemma-3-270M) among the devices
