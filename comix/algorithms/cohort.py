@@ -14,6 +14,11 @@ for all rows, each client's adapters on its own rows). What the sequential execu
   * gradient clipping: each client's norm over its own slots (torch's clip_grad_norm_ rule);
   * batches: each client's own generator, in the sequential order (expert batch, then the
     interleaved steps' when their period comes: CoMiGS's router steps, ``Algorithm.interleaved``);
+    instruction batches (each right-padded to its own longest example) padded on to the cohort's
+    longest row with targets -100, so a client's loss and load balance are over its own batch's
+    tokens only (causal attention: a padded position changes no earlier one);
+  * LoRA dropout: each client's masks from its own generator, seeded as its turn alone would seed
+    torch's (``turn_seed``), drawn at its own batch's shape in the same order (models/lora.py);
   * ``optimizer_state``: "run" loads and keeps each client's moments, "round" starts fresh.
 Which methods can run so is ``cohort_refusal``'s answer (docs/methods.md lists it per method);
 the others keep their own client step and run one client after another.
@@ -28,9 +33,11 @@ import torch
 from torch import nn
 
 from ..models.cohort import clients_of, load_stacked, unstack
+from ..models.lora import CohortDraws, LoRADropout
 from ..runtime import to_cpu
 from .scaffold import add_control_rate, begin_control_round, cohort_correction
-from .training import ClientState, TrainConfig, batch_generator, expert_lr, model_load_balance, proximal_term
+from .training import (ClientState, TrainConfig, batch_generator, expert_lr, model_load_balance, proximal_term,
+                       turn_seed)
 
 log = logging.getLogger(__name__)
 
@@ -182,20 +189,32 @@ def cohort_lm_losses(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torc
     return (ce.reshape(clients, -1) * targets).sum(1) / targets.sum(1)
 
 
+def own_tokens(widths: list[int], x: torch.Tensor) -> torch.Tensor | None:
+    """(clients, tokens): 1 where a position of a client's rows lies within its own batch's width
+    (``widths``), 0 where the cohort padded it on; None when no client's batch was padded."""
+    if all(w == x.shape[1] for w in widths):
+        return None
+    positions = torch.arange(x.shape[1])
+    own = positions.view(1, 1, -1) < torch.tensor(widths).view(-1, 1, 1)  # (clients, 1, width)
+    return own.expand(len(widths), x.shape[0] // len(widths), x.shape[1]).reshape(len(widths), -1)
+
+
 def cohort_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, params: list[nn.Parameter],
-                opt: CohortAdamW, lrs: list[float], train: TrainConfig, anchor=()) -> torch.Tensor:
+                opt: CohortAdamW, lrs: list[float], train: TrainConfig, anchor=(), widths=None) -> torch.Tensor:
     """One optimiser step of every client (``train_step`` per client): the sum of the clients' losses
     (CE + lb_weight x load balance, + FedProx's term over ``anchor``, each client's own round start)
     differentiated w.r.t. ``params`` only, each client's gradient clipped to its own norm, then
-    ``opt`` (with SCAFFOLD's correction, if it holds one). Returns each client's CE."""
+    ``opt`` (with SCAFFOLD's correction, if it holds one). ``widths``: each client's batch's own
+    width, where the cohort padded the batches (``_batches``). Returns each client's CE."""
     opt.begin_step(lrs)
-    return _device_step(model, x, y, params, opt, train, anchor)
+    return _device_step(model, x, y, params, opt, train, anchor, widths)
 
 
-def _device_step(model, x, y, params, opt: CohortAdamW, train: TrainConfig, anchor=()) -> torch.Tensor:
+def _device_step(model, x, y, params, opt: CohortAdamW, train: TrainConfig, anchor=(), widths=None) -> torch.Tensor:
     """``cohort_step`` after the host's part: fixed shapes, no value read back to the host."""
     ce = cohort_lm_losses(model, x, y)
-    loss = ce + train.lb_weight * model_load_balance(model, train.load_balance).to(ce.device)
+    own = None if widths is None else own_tokens(widths, x)
+    loss = ce + train.lb_weight * model_load_balance(model, train.load_balance, own).to(ce.device)
     if anchor:
         loss = loss + proximal_term(anchor, train.prox_mu, opt.clients)
     grads = torch.autograd.grad(loss.sum(), params, allow_unused=True)
@@ -230,10 +249,12 @@ class CohortStep:
         # one side stream for every warm-up (the recipe warms up on one stream other than the default)
         self.side = torch.cuda.Stream(self.device) if capture else None
 
-    def __call__(self, x: torch.Tensor, y: torch.Tensor, lrs: list[float]) -> torch.Tensor:
-        """One step of every client on its rows of ``x`` / ``y``; returns each client's CE."""
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, lrs: list[float], widths=None) -> torch.Tensor:
+        """One step of every client on its rows of ``x`` / ``y`` (``widths``: each client's own, where
+        the cohort padded them; a captured step has one fixed shape, so none); returns each client's CE."""
         if not self.capture:
-            return cohort_step(self.model, x, y, self.params, self.opt, lrs, self.train, self.anchor)
+            return cohort_step(self.model, x, y, self.params, self.opt, lrs, self.train, self.anchor, widths)
+        assert widths is None or own_tokens(widths, x) is None, "a captured cohort step takes unpadded batches"
         # cuda:N, N > 0: warm-up, capture and replay on the model's device, not the current one
         with torch.cuda.device(self.device), self._autocast():
             self.opt.begin_step(lrs)
@@ -288,11 +309,13 @@ class CohortStep:
 @dataclass
 class CohortMember:
     """One client of a cohort: what its sequential turn would be handed (``ClientContext``'s
-    client and data) and its state and payload for the round."""
+    client and data), its state and payload for the round, and the run's seed (its turn's
+    dropout generator: ``turn_seed``)."""
     client: int
     data: object
     state: ClientState
     payload: dict
+    run_seed: int = 0
 
 
 def _optimizer(named, members: list[CohortMember], key: str, train: TrainConfig, masters: CohortMasters) -> CohortAdamW:
@@ -316,33 +339,41 @@ def _keep(opt: CohortAdamW, members: list[CohortMember], key: str, train: TrainC
 
 
 def _batches(draw, gens, contexts):
-    """Each member's batch by the sequential round's own ``draw`` (train_batch / interleaved_batch), in member order."""
+    """Each member's batch by the sequential round's own ``draw`` (train_batch / interleaved_batch), in
+    member order, each right-padded to the widest (inputs 0, targets -100: a language model's windows
+    are all one width, instruction batches each their own longest example's); and each one's own width."""
     xs, ys = zip(*(draw(ctx, g) for ctx, g in zip(contexts, gens)))
-    return torch.cat(xs), torch.cat(ys)
+    widths = [x.shape[1] for x in xs]
+    wide = max(widths)
+    x = torch.cat([nn.functional.pad(x, (0, wide - x.shape[1]), value=0) for x in xs])
+    y = torch.cat([nn.functional.pad(y, (0, wide - y.shape[1]), value=-100) for y in ys])
+    return x, y, widths
 
 
-def _lockstep(algorithm, model, members, gens, contexts, step: CohortStep, routed, phase, masters):
+def _lockstep(algorithm, model, members, gens, contexts, step: CohortStep, routed, phase, masters, draws):
     """The round's local steps of every member, the router's every ``phase.every`` steps;
-    returns (each step's per-client CE, each member's training rows)."""
+    returns (each step's per-client CE, each member's training tokens). ``draws``: the members'
+    dropout generators, told each batch's widths before its forward."""
     train = algorithm.train
     total = train.rounds * train.local_steps
     losses, rows = [], {m.client: 0 for m in members}
     for _ in range(train.local_steps):
         lrs = [expert_lr(m.state.step, total, train) for m in members]
-        x, y = _batches(algorithm.train_batch, gens, contexts)
-        losses.append(step(x, y, lrs))
-        for m, lr in zip(members, lrs):
-            rows[m.client] += x.numel() // len(members)
+        x, y, draws.widths = _batches(algorithm.train_batch, gens, contexts)
+        losses.append(step(x, y, lrs, draws.widths))
+        for m, lr, width in zip(members, lrs, draws.widths):
+            rows[m.client] += x.shape[0] // len(members) * width  # its own batch's tokens, as a turn alone counts them
             m.state.step += 1
             if step.opt.correction is not None:
                 add_control_rate(m.state.extra, lr)
         if routed and members[0].state.step % phase.every == 0:  # router steps: few, run eagerly
             ropt = _optimizer(routed, members, phase.key, train, masters)
             for _ in range(phase.steps):
-                x, y = _batches(lambda ctx, g: algorithm.interleaved_batch(ctx, phase, g), gens, contexts)
-                cohort_step(model, x, y, [p for _, p in routed], ropt, [phase.lr] * len(members), train)
-                for m in members:
-                    rows[m.client] += x.numel() // len(members)
+                x, y, draws.widths = _batches(lambda ctx, g: algorithm.interleaved_batch(ctx, phase, g), gens, contexts)
+                cohort_step(model, x, y, [p for _, p in routed], ropt, [phase.lr] * len(members), train,
+                            widths=draws.widths)
+                for m, width in zip(members, draws.widths):
+                    rows[m.client] += x.shape[0] // len(members) * width
             _keep(ropt, members, phase.key, train)
     _keep(step.opt, members, "experts", train)
     return losses, rows
@@ -364,8 +395,14 @@ def cohort_round(algorithm, model: nn.Module, members: list[CohortMember], conte
         m.state = algorithm.apply_payload(m.state, m.payload)
     load_stacked(model, [m.state.adapters for m in members])
     gens = [batch_generator(m.state) for m in members]
-    model.train()
     runtime = contexts[0].runtime
+    # LoRA dropout: each member's masks from its own generator, seeded as its turn alone seeds torch's
+    dropouts = [m for m in model.modules() if isinstance(m, LoRADropout)]
+    draws = CohortDraws([torch.Generator(runtime.device).manual_seed(turn_seed(m.run_seed, m.client, m.state.step))
+                         for m in members], [])
+    for m in dropouts:
+        m.draws = draws
+    model.train()
     named = algorithm.train_params(model)
     params = [p for _, p in named]
     phase = algorithm.interleaved()
@@ -380,10 +417,15 @@ def cohort_round(algorithm, model: nn.Module, members: list[CohortMember], conte
         opt.correction = None if stacked is None else opt.flat(stacked)
         # FedProx's anchor: each member's shared tensors as the payload set them, fp32 (the masters)
         anchor = [(p, masters.of([p]).reshape(p.shape).clone()) for n, p in named if algorithm.is_shared(n)] * (train.prox_mu > 0)
-        step = CohortStep(model, params, opt, train, capture=runtime.graphs, anchor=anchor)
-        losses, rows = _lockstep(algorithm, model, members, gens, contexts, step, routed, phase, masters)
+        # a captured graph replays one shape and no host-side draws: batches of one width (language
+        # modelling's windows), no dropout; instruction batches and dropout run their steps eagerly
+        fixed = not dropouts and all(getattr(m.data, "task", "lm") == "lm" for m in members)
+        step = CohortStep(model, params, opt, train, capture=runtime.graphs and fixed, anchor=anchor)
+        losses, rows = _lockstep(algorithm, model, members, gens, contexts, step, routed, phase, masters, draws)
     finally:  # a failed round too leaves the model's tensors fp32 (the masters) for whatever runs next
         del step  # the captured graph's memory, before the states are read
+        for m in dropouts:
+            m.draws = None
         for m in model.modules():  # the routing a replay left in the graph's memory pool
             if getattr(m, "last_routing", None) is not None:
                 m.last_routing = None

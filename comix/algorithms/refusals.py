@@ -79,9 +79,6 @@ class Refusals:
                                             ("unfused experts", cfg.mlp == "mixture" and not cfg.fused)) if has]
             if kinds:
                 return f"its adapters hold {kinds[0]}, which the cohort's stacked layers do not carry"
-            if any(lora.dropout > 0 for lora in (cfg.lora, cfg.mlp_lora) if lora is not None):
-                return "its LoRA dropout draws masks from one generator per client turn, which a cohort does not " \
-                       "reproduce (equal results are the cohort's contract)"
         return None
 
     @classmethod

@@ -130,6 +130,14 @@ class ClientState:
 
 
 
+def turn_seed(run_seed: int, client: int, step: int) -> int:
+    """The seed of torch's generators for one client's round (its LoRA dropout masks), from the run's
+    seed, the client and the steps it has taken: a client's masks do not depend on which clients
+    ran before it in the process, and every executor (one at a time, a cohort, one Flower process
+    per device) draws the same ones."""
+    return (run_seed * 1_000_003 + client) * 1_000_003 + step
+
+
 def batch_generator(state: ClientState) -> torch.Generator:
     """This client's batch-sampling generator, continued from its saved state."""
     gen = torch.Generator()
@@ -358,15 +366,16 @@ def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
-def model_load_balance(model: nn.Module, weighting: str) -> torch.Tensor:
+def model_load_balance(model: nn.Module, weighting: str, own: torch.Tensor | None = None) -> torch.Tensor:
     """Mean over blocks of each block's load-balance loss (from its last forward); for a cohort
-    (models/cohort.py) one such mean per client, shape (clients,)."""
+    (models/cohort.py) one such mean per client, shape (clients,), over each client's ``own``
+    tokens where the cohort padded its batch (``load_balance_loss``)."""
     clients = clients_of(model)
     layers = [m for m in mixtures(model) if isinstance(m, MixtureOfLoRAMLP) and m.last_routing is not None
               and m.n_experts > 1]
     if not layers or weighting == "none":  # on the model's device: a cohort's captured step copies nothing in
         return torch.zeros((clients,) if clients > 1 else (), device=next(model.parameters()).device)
-    return torch.stack([load_balance_loss(m.last_routing, m.n_experts, weighting, clients) for m in layers]).mean(0)
+    return torch.stack([load_balance_loss(m.last_routing, m.n_experts, weighting, clients, own) for m in layers]).mean(0)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..algorithms import Algorithm, ClientContext, ClientState
 from ..algorithms.base import Tensors
-from ..algorithms.training import adapter_tensors
+from ..algorithms.training import adapter_tensors, turn_seed
 from ..data import UserData
 from ..eval import perplexity
 from ..eval.perplexity import cohort_split_nll
@@ -278,12 +278,10 @@ class Device:
             torch.cuda.reset_peak_memory_stats(self.runtime.device)
         t0 = time.perf_counter()
         state = self.store[self.client]
-        # dropout draws from torch's global generator: seeded from (run seed, client, step) for the
-        # round, so a client's masks do not depend on which clients ran before it in this process,
-        # and every engine (in process, one Flower process per device) draws the same ones
+        # dropout draws from torch's global generator, seeded for the round (training.turn_seed)
         with torch.random.fork_rng(devices=[self.runtime.device] if cuda else []), self.runtime.autocast(), \
                 Footprint(self.model) as footprint:
-            torch.manual_seed((self.seed * 1_000_003 + self.client) * 1_000_003 + state.step)
+            torch.manual_seed(turn_seed(self.seed, self.client, state.step))
             state, upload, metrics = self.algorithm.client_round(self.context(), state, payload)
         metrics["tokens"] = footprint.tokens
         if self.algorithm.train.runtime_of(self.client) != "pytorch":  # (a federation some of whose devices do)

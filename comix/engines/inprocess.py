@@ -128,8 +128,6 @@ def cohort_size(algorithm: Algorithm, base: nn.Module, users: list[UserData], ru
     dropouts = {k: v for k, v in (vars(config) if config is not None else {}).items()
                 if ("dropout" in k or k.endswith("pdrop")) and isinstance(v, float) and v > 0}
     reason = algorithm.cohort_refusal() or (
-        "its instruction batches are padded to each client's own longest example" if any(
-            getattr(u, "task", "lm") != "lm" for u in users) else
         "fp16 scales each client's loss on its own (a skipped step is per client)" if runtime.precision == "fp16" else
         "its devices compute their batches in slices (micro_batches)" if runtime.micro_batches != 1 else
         f"the base model's dropout ({', '.join(dropouts)}) draws per client turn" if dropouts else None)
@@ -239,7 +237,7 @@ class InProcess:
     def _train_cohort_once(self, group: list[tuple[int, ClientState]], payloads) -> dict:
         clients = [c for c, _ in group]
         model, a, rt = self._stacked_for(clients[0], len(group)), self.algorithm, self.runtime
-        members = [CohortMember(c, self.devices[c].data, state, payloads[c]) for c, state in group]
+        members = [CohortMember(c, self.devices[c].data, state, payloads[c], self.devices[c].seed) for c, state in group]
         contexts = [ClientContext(c, model, self.devices[c].data, a.train, rt) for c in clients]
         if rt.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(rt.device)

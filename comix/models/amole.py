@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .lora import LoRAWeights, linear_dims
+from .lora import LoRAWeights, linear_dims, lora_dropout
 from .mixture import MixtureOfLoRA, Routing
 
 
@@ -86,7 +86,7 @@ class AMoLELinear(MixtureOfLoRA):
         self.n_active = cfg.top_k
         self.scaling = cfg.scaling
         self.score_scale = math.sqrt(d_in if cfg.score_scale == "d" else r)
-        self.dropout = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
+        self.dropout = lora_dropout(cfg.dropout)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .lora import LoRAWeights, linear_dims
+from .lora import LoRAWeights, linear_dims, lora_dropout
 
 
 @dataclass
@@ -58,7 +58,7 @@ class LeaseLinear(nn.Module):
         self.lease_router = nn.Linear(d_in, 2 * cfg.slots - 1, bias=False)
         self.lease_state = nn.Parameter(torch.tensor([1.0, 0.0]), requires_grad=False)  # (M, g): warm-up
         self.scaling = cfg.scaling
-        self.dropout = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
+        self.dropout = lora_dropout(cfg.dropout)
         nn.init.kaiming_uniform_(self.lease_router.weight, a=math.sqrt(5))  # the authors' reset_parameters
         self.fixed_state: tuple[int, int] | None = None
 

@@ -64,6 +64,51 @@ def client_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.bmm(rows, weight.transpose(1, 2)).reshape(*x.shape[:-1], weight.shape[1])
 
 
+class LoRADropout(nn.Module):
+    """Dropout on a LoRA input (PEFT's ``lora_dropout``): x * m / (1 - p), m ~ Bernoulli(1 - p),
+    drawn by ``bernoulli_`` as torch's CPU dropout draws it (``at::native::dropout``: one
+    ``bernoulli_`` over a tensor shaped as x from the default generator), so a run one client at a
+    time draws the masks nn.Dropout drew on the CPU. In a cohort (algorithms/cohort.py) ``draws``
+    holds each client's own generator and width: client c's mask is drawn from its generator at the
+    shape its own batch has alone, in the same order of layers, so each client sees the masks of its
+    own turn (a fused CUDA dropout would draw other numbers, and one generator for all clients would
+    deal each client another's masks)."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+        self.draws: CohortDraws | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x
+        mask = torch.empty_like(x).bernoulli_(1 - self.p) if self.draws is None else self.draws.mask(x, 1 - self.p)
+        return x * mask.div_(1 - self.p)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+
+@dataclass
+class CohortDraws:
+    """Each cohort client's dropout generator and its batch's own width (tokens a row before the
+    cohort's padding); the rows of x are client-major, equal in number per client."""
+    generators: list
+    widths: list[int]
+
+    def mask(self, x: torch.Tensor, keep: float) -> torch.Tensor:
+        mask = torch.ones_like(x)
+        rows = x.shape[0] // len(self.generators)
+        for c, (gen, width) in enumerate(zip(self.generators, self.widths)):
+            own = torch.empty((rows, width, *x.shape[2:]), dtype=x.dtype, device=x.device)
+            mask[c * rows:(c + 1) * rows, :width] = own.bernoulli_(keep, generator=gen)
+        return mask
+
+
+def lora_dropout(p: float) -> nn.Module:
+    return LoRADropout(p) if p > 0 else nn.Identity()
+
+
 class LoRAWeights(nn.Module):
     """The two low-rank factors of one adapter: ``lora_A`` (rank x in), ``lora_B`` (out x rank)."""
 
@@ -114,7 +159,7 @@ class LoRALinear(nn.Module):
         self.lora_merged = nn.Parameter(torch.zeros(out_f, in_f), requires_grad=False) if merged else None
         self.instance_fusion: torch.Tensor | None = None
         self.scaling = cfg.scaling
-        self.dropout = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
+        self.dropout = lora_dropout(cfg.dropout)
 
     @property
     def weight(self):  # some HF code reads `.weight` of projections (dtype/device checks)

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .lora import LoRAConfig, LoRAWeights, client_linear, linear_dims
+from .lora import LoRAConfig, LoRAWeights, client_linear, linear_dims, lora_dropout
 
 
 @dataclass(frozen=True)
@@ -187,7 +187,7 @@ class MixtureOfLoRAMLP(MixtureOfLoRA):
         self.experts = nn.ModuleList(
             nn.ModuleDict({p: LoRAWeights(*dims[p], lora.rank) for p in self.layout.projections})
             for _ in range(n_experts))
-        self.dropout = nn.Dropout(lora.dropout) if lora.dropout > 0 else nn.Identity()
+        self.dropout = lora_dropout(lora.dropout)
         self.compiled = False
         self._act_kind = ACT_KINDS.get(type(getattr(mlp, self.layout.act)).__name__)
 
@@ -268,7 +268,8 @@ class MixtureOfLoRAMLP(MixtureOfLoRA):
         return out
 
 
-def load_balance_loss(routing: Routing, n_experts: int, weighting: str = "uniform", clients: int = 1) -> torch.Tensor:
+def load_balance_loss(routing: Routing, n_experts: int, weighting: str = "uniform", clients: int = 1,
+                      own: torch.Tensor | None = None) -> torch.Tensor:
     """Switch-style load balance from one block's routing (CoMiGS eq. 10-11).
 
     f_j: fraction of tokens with j among their top-k (not differentiable); P_j: mean router
@@ -278,14 +279,21 @@ def load_balance_loss(routing: Routing, n_experts: int, weighting: str = "unifor
     multiply eq. 10 by n^2 so that at n = 2 it *equals* the uniform loss, as the paper states
     (eq. 10 as printed is the uniform loss / 4 there). ``none``: 0. With ``clients`` > 1 (a
     cohort's client-major tokens, models/cohort.py) each client's f and P are over its own
-    tokens only, and the result is one loss per client, shape (clients,).
+    tokens only, and the result is one loss per client, shape (clients,). ``own``: (clients, tokens)
+    1 on the tokens a client's batch has alone, 0 on those a cohort padded on (instruction batches
+    of unequal widths), so that f and P are each client's means over its own batch's tokens.
     """
     shape = (clients,) if clients > 1 else ()
     if routing.probs is None or weighting == "none":
         return routing.topk_weight.new_zeros(shape)
     n = n_experts
-    f = F.one_hot(routing.topk_index, n).sum(-2).float().reshape(clients, -1, n).mean(1)  # (clients, n)
-    p = routing.probs.float().reshape(clients, -1, n).mean(1)
+    f = F.one_hot(routing.topk_index, n).sum(-2).float().reshape(clients, -1, n)
+    p = routing.probs.float().reshape(clients, -1, n)
+    if own is None:
+        f, p = f.mean(1), p.mean(1)  # (clients, n)
+    else:
+        weights = own.to(f.device, f.dtype).unsqueeze(-1) / own.sum(1).view(-1, 1, 1).to(f.device, f.dtype)
+        f, p = (f * weights).sum(1), (p * weights).sum(1)
     if weighting == "uniform":
         return (n * (f * p).sum(-1)).reshape(shape)
     if weighting == "generalist":
