@@ -46,7 +46,7 @@ def main() -> None:
     train = TrainConfig(lr=1e-4)
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, model.config.vocab_size, (args.batch, args.seq + 1), generator=gen)
-    opts = {"plain": make_optimizer(params, ClientState(adapters={}), "model", train),
+    opts = {"plain": make_optimizer(params, ClientState(adapters={}), "model", train, fused=False),
             "fast": make_optimizer(params, ClientState(adapters={}), "model", train, fused=True)}
 
     def step(kind: str):

@@ -205,7 +205,7 @@ def test_fedprox_keeps_the_shared_adapters_near_the_rounds_payload_and_leaves_pr
 
 
 def test_the_proximal_term_is_mu_half_the_squared_distance_of_the_shared_parameters_only():
-    from comix.algorithms.training import proximal_anchor, proximal_term
+    from comix.algorithms.fedprox import proximal_anchor, proximal_term
     shared, private = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
     anchor = proximal_anchor([("s", shared), ("p", private)], lambda n: n == "s")
     with torch.no_grad():

@@ -29,12 +29,13 @@ from ..data import UserData, sample_batch
 from ..models import AdapterConfig, LoRAConfig
 from ..privacy import PrivacyConfig
 from ..runtime import Runtime
+from .fedprox import proximal_anchor, proximal_term
 from .scaffold import (apply_correction, begin_control_round, control_correction, control_delta_sum,
                        end_control_round, is_control, server_controls, split_controls, with_controls, zero_controls)
 from .refusals import Refusals
 from .training import (ClientState, InterleavedSteps, Tensors, TrainConfig, adapter_tensors, average,
                        batch_generator, executorch_step, expert_lr, expert_params, keep_optimizer, load_adapters,
-                       make_optimizer, mean_of_sums, model_load_balance, proximal_anchor, proximal_term, train_step)
+                       make_optimizer, mean_of_sums, model_load_balance, train_step)
 
 
 @dataclass

@@ -38,8 +38,9 @@ import numpy as np
 import torch
 
 from ..data import sample_batch
+from ..data.partition import held_out
 from .base import ClientContext, ClientState, Tensors
-from .training import held_out, lm_loss, load_adapters
+from .training import lm_loss, load_adapters
 from .fedavg import FedIT
 
 
