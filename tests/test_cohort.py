@@ -709,11 +709,12 @@ def instruction_setup():
 
 
 @pytest.mark.parametrize("method,options", [("fedit", None), ("fedit-ft", None), ("comigs-1g1s", None),
-                                            ("comigs-1g1s", {"experts": 4})])
+                                            ("comigs-1gxs", {"experts": 4, "lb_weight": 1.0})])
 def test_an_instruction_cohort_trains_each_client_as_it_would_train_alone(instruction_setup, tmp_path, method, options):
     """Instruction batches of unequal widths in one cohort: each client's CE over its own targets
     and its load balance over its own batch's tokens (CoMiGS-1G1S, router steps on its validation
-    examples; with 4 experts top-2, where the balance has a gradient: at 2 experts it is constant),
+    examples; and CoMiGS-1GxS with 4 experts top-2 at weight 1, where the balance has a gradient that
+    shows: at 2 experts it is constant, and at the default weight 0.01 its share is below the tolerance),
     its LoRA dropout (FedIT's 0.05) from its own turn's generator at its own batch's shape:
     every metric, upload and final adapter equals the clients trained one at a time. A cohort that
     padded targets with a real token, balanced over the padding, counted padded tokens, or dealt
@@ -721,8 +722,10 @@ def test_an_instruction_cohort_trains_each_client_as_it_would_train_alone(instru
     last bits (measured: the same CoMiGS-1G1S batch, 3 x 350 tokens, padded by 37 positions, changes
     each adapter gradient by at most 4.8e-7 in relative norm), and Adam's m / sqrt(v) at lr 1e-2
     enlarges that to 4.6e-5 in an attention factor after 4 steps (fedit: within 1e-5)."""
-    seq = _run(instruction_setup, tmp_path, method, 1, options, local_steps=4, batch_size=3)
-    together = _run(instruction_setup, tmp_path, method, 3, options, local_steps=4, batch_size=3)
+    options = dict(options or {})
+    train = dict(local_steps=4, batch_size=3, lb_weight=options.pop("lb_weight", 0.01))
+    seq = _run(instruction_setup, tmp_path, method, 1, options, **train)
+    together = _run(instruction_setup, tmp_path, method, 3, options, **train)
     rows = [json.loads(ln) for ln in (together[3] / "metrics.jsonl").read_text().splitlines()]
     assert {r.get("cohort") for r in rows if "train_loss" in r} == {3}  # it did run as one cohort
     _assert_same(seq, together, rel=1e-4)
