@@ -28,8 +28,8 @@ def _train(**kw):
     return TrainConfig(**base)
 
 
-def _algo(name, cohort, options=None, **train):
-    return make_algorithm(name, LoRAConfig(r=4), _train(cohort=cohort, **train), 3, **(options or {}))
+def _algo(name, cohort, options=None, lora_dropout=0.0, **train):
+    return make_algorithm(name, LoRAConfig(r=4, dropout=lora_dropout), _train(cohort=cohort, **train), 3, **(options or {}))
 
 
 def _run(setup, tmp_path, name, cohort, options=None, privacy=None, precision="fp32", **train):
@@ -709,13 +709,15 @@ def instruction_setup():
 
 
 @pytest.mark.parametrize("method,options", [("fedit", None), ("fedit-ft", None), ("comigs-1g1s", None),
-                                            ("comigs-1gxs", {"experts": 4, "lb_weight": 1.0})])
+                                            ("comigs-1gxs", {"experts": 4, "lb_weight": 1.0}),
+                                            ("comigs-1g1s", {"lora_dropout": 0.1})])
 def test_an_instruction_cohort_trains_each_client_as_it_would_train_alone(instruction_setup, tmp_path, method, options):
     """Instruction batches of unequal widths in one cohort: each client's CE over its own targets
     and its load balance over its own batch's tokens (CoMiGS-1G1S, router steps on its validation
     examples; and CoMiGS-1GxS with 4 experts top-2 at weight 1, where the balance has a gradient that
     shows: at 2 experts it is constant, and at the default weight 0.01 its share is below the tolerance),
-    its LoRA dropout (FedIT's 0.05) from its own turn's generator at its own batch's shape:
+    its LoRA dropout (FedIT's 0.05; a mixture's, whose MLP sees the tokens flattened) from its own
+    turn's generator at its own batch's shape:
     every metric, upload and final adapter equals the clients trained one at a time. A cohort that
     padded targets with a real token, balanced over the padding, counted padded tokens, or dealt
     masks from one generator to all fails here. Tensors to 1e-4: padding alone moves a gradient in the
@@ -723,7 +725,8 @@ def test_an_instruction_cohort_trains_each_client_as_it_would_train_alone(instru
     each adapter gradient by at most 4.8e-7 in relative norm), and Adam's m / sqrt(v) at lr 1e-2
     enlarges that to 4.6e-5 in an attention factor after 4 steps (fedit: within 1e-5)."""
     options = dict(options or {})
-    train = dict(local_steps=4, batch_size=3, lb_weight=options.pop("lb_weight", 0.01))
+    train = dict(local_steps=4, batch_size=3, lb_weight=options.pop("lb_weight", 0.01),
+                 lora_dropout=options.pop("lora_dropout", 0.0))
     seq = _run(instruction_setup, tmp_path, method, 1, options, **train)
     together = _run(instruction_setup, tmp_path, method, 3, options, **train)
     rows = [json.loads(ln) for ln in (together[3] / "metrics.jsonl").read_text().splitlines()]
@@ -742,7 +745,7 @@ def test_lora_dropout_draws_the_cpu_dropouts_masks_and_in_a_cohort_each_clients_
     torch.manual_seed(7)
     assert torch.equal(LoRADropout(0.3)(x), want)
     drop = LoRADropout(0.3)
-    drop.draws = CohortDraws([torch.Generator().manual_seed(7), torch.Generator().manual_seed(8)], [9, 5])
+    drop.draws = CohortDraws([torch.Generator().manual_seed(7), torch.Generator().manual_seed(8)], [9, 5], 8, 9)
     both = drop(torch.cat([x, x]))
     assert torch.equal(both[:4], want)  # client 0: its own turn's masks
     torch.manual_seed(8)

@@ -229,6 +229,7 @@ def _lockstep(algorithm, model, members, gens, contexts, step: CohortStep, route
     for _ in range(train.local_steps):
         lrs = [expert_lr(m.state.step, total, train) for m in members]
         x, y, draws.widths = _batches(algorithm.train_batch, gens, contexts)
+        draws.rows, draws.wide = x.shape
         losses.append(step(x, y, lrs, draws.widths))
         for m, lr, width in zip(members, lrs, draws.widths):
             rows[m.client] += x.shape[0] // len(members) * width  # its own batch's tokens, as a turn alone counts them
@@ -239,6 +240,7 @@ def _lockstep(algorithm, model, members, gens, contexts, step: CohortStep, route
             ropt = _optimizer(routed, members, phase.key, train, masters)
             for _ in range(phase.steps):
                 x, y, draws.widths = _batches(lambda ctx, g: algorithm.interleaved_batch(ctx, phase, g), gens, contexts)
+                draws.rows, draws.wide = x.shape
                 cohort_step(model, x, y, [p for _, p in routed], ropt, [phase.lr] * len(members), train,
                             widths=draws.widths)
                 for m, width in zip(members, draws.widths):

@@ -49,7 +49,8 @@ class CohortMasters:
 class CohortAdamW:
     """AdamW over parameters stacked on a client axis (dim 0), each client with its own learning
     rate, step count and moments: torch.optim.AdamW's single-tensor update term for term (decoupled
-    decay, m, v, the client's own bias corrections) with per-client scalars as (C, 1) tensors, so
+    decay, m, v, the client's own bias corrections; the fused kernel one client at a time uses,
+    make_optimizer, computes the same to 1e-7) with per-client scalars as (C, 1) tensors, so
     slot c evolves as client c's own optimiser would. Masters, moments and the update are flat (C, P)
     buffers: a few whole-buffer operations a step, not eight per tensor (SmolLM2 with LoRA carries
     420 adapter tensors). ``begin_step`` runs on the host (rates into a device tensor, the step

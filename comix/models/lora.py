@@ -92,17 +92,29 @@ class LoRADropout(nn.Module):
 @dataclass
 class CohortDraws:
     """Each cohort client's dropout generator and its batch's own width (tokens a row before the
-    cohort's padding); the rows of x are client-major, equal in number per client."""
+    cohort's padding), and the cohort batch's rows and width (``rows`` x ``wide``, client-major, equal
+    in number per client). A layer sees the batch as (rows, wide, ...) or, a mixture's MLP, its
+    tokens flattened, (rows x wide, ...): both read as (rows, wide, ...), client c's own tokens the
+    first ``widths[c]`` of each of its rows; any other layout is refused, not guessed."""
     generators: list
     widths: list[int]
+    rows: int = 0
+    wide: int = 0
 
     def mask(self, x: torch.Tensor, keep: float) -> torch.Tensor:
-        mask = torch.ones_like(x)
-        rows = x.shape[0] // len(self.generators)
+        if tuple(x.shape[:2]) == (self.rows, self.wide):
+            batch = x
+        elif x.shape[0] == self.rows * self.wide:
+            batch = x.view(self.rows, self.wide, *x.shape[1:])
+        else:
+            raise RuntimeError(f"LoRA dropout in a cohort of {self.rows} x {self.wide} tokens got an input of "
+                               f"shape {tuple(x.shape)}: its rows cannot be told apart by client")
+        mask = torch.ones_like(batch)
+        rows = self.rows // len(self.generators)
         for c, (gen, width) in enumerate(zip(self.generators, self.widths)):
-            own = torch.empty((rows, width, *x.shape[2:]), dtype=x.dtype, device=x.device)
+            own = torch.empty((rows, width, *batch.shape[2:]), dtype=x.dtype, device=x.device)
             mask[c * rows:(c + 1) * rows, :width] = own.bernoulli_(keep, generator=gen)
-        return mask
+        return mask.view(x.shape)
 
 
 def lora_dropout(p: float) -> nn.Module:
