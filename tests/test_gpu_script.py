@@ -21,7 +21,8 @@ def test_the_gpu_script_runs_every_step_and_packs_its_results(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     steps = dict(line.split("\t")[:2] for line in (tmp_path / "out" / "steps.tsv").read_text().splitlines()[1:])
     assert [s for s, status in steps.items() if s != "total" and status != "0"] == [], steps
-    assert set(steps) >= {"tests", "main-cohort1", "main-cohort-auto", "cohort-bench", "paper-table1"}
+    assert set(steps) >= {"tests", "main-cohort1", "main-cohort-auto", "cohort-bench", "paper-table1",
+                          "paper-fedamole-table3"}
     with tarfile.open(tmp_path / "out" / "results.tar.xz") as tar:
         names = tar.getnames()
     assert "./cohort-bench.json" in names and "./env.txt" in names and "./main-job-profile.json" in names
@@ -31,17 +32,23 @@ def test_the_gpu_script_runs_every_step_and_packs_its_results(tmp_path):
     assert {r["cohort"] for r in bench["results"]} == {1, 2} and all(r["flops"] > 0 for r in bench["results"])
 
 
-def test_a_paper_run_cut_short_by_the_budget_continues_from_the_parts_it_packed(tmp_path):
+# (FedAMoLE's first try: time to build the instruction clients and finish a round, ~5 s each here)
+@pytest.mark.parametrize("step,limit,seconds,prefix,server", [
+    ("paper-table1", "PAPER_LIMIT", 15, "paper-resume", "paper-table1-multilingual/seed42/local/server.jsonl"),
+    ("paper-fedamole-table3", "FEDAMOLE_LIMIT", 30, "fedamole-resume",
+     "paper-fedamole-table3-task/seed42/fedamole/server.jsonl")])
+def test_a_paper_run_cut_short_by_the_budget_continues_from_the_parts_it_packed(tmp_path, step, limit, seconds, prefix,
+                                                                                server):
     env = {**os.environ, "OUT": str(tmp_path / "out"), "GPU_WORK": str(tmp_path / "work"), "DRY_ROUNDS": "5000",
-           "PAPER_LIMIT": "15", "GPU_ONLY": "paper-table1", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+           limit: str(seconds), "GPU_ONLY": step, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     gpu = ROOT / ".gpu"
-    assert not list(gpu.glob("paper-resume*")), "a rehearsal must not meet real resume parts in .gpu/"
+    assert not list(gpu.glob(f"{prefix}*")), "a rehearsal must not meet real resume parts in .gpu/"
     run = lambda: subprocess.run(["bash", str(ROOT / "bench" / "gpu.sh"), "--dry-run"], cwd=ROOT, env=env,  # noqa: E731
                                  capture_output=True, text=True, timeout=600)
     assert run().returncode == 0
-    parts = sorted((tmp_path / "out").glob("paper-resume.tar.xz.part-*"))
+    parts = sorted((tmp_path / "out").glob(f"{prefix}.tar.xz.part-*"))
     assert parts, (tmp_path / "out" / "steps.tsv").read_text()
-    server = tmp_path / "work" / "paper-table1-multilingual" / "seed42" / "local" / "server.jsonl"
+    server = tmp_path / "work" / server
     first = len(server.read_text().splitlines())
     gpu.mkdir(exist_ok=True)
     try:
@@ -49,10 +56,10 @@ def test_a_paper_run_cut_short_by_the_budget_continues_from_the_parts_it_packed(
             (gpu / p.name).write_bytes(p.read_bytes())
         import shutil
         shutil.rmtree(tmp_path / "work")
-        env["PAPER_LIMIT"] = "40"  # time to start, read the parts back and train some more rounds
+        env[limit] = str(seconds + 25)  # time to start, read the parts back and train some more rounds
         assert run().returncode == 0
     finally:
-        for p in gpu.glob("paper-resume*"):
+        for p in gpu.glob(f"{prefix}*"):
             p.unlink()
     rounds = [json.loads(ln)["round"] for ln in server.read_text().splitlines()]
     assert rounds[:first] == list(range(1, first + 1)) and len(rounds) > first  # continued, not restarted

@@ -27,6 +27,7 @@ from torch import nn
 from ..aggregation import ServerConfig, ServerOptimizer, combine
 from ..data import UserData, sample_batch
 from ..models import AdapterConfig, LoRAConfig
+from ..models.cohort import load_stacked, unstack
 from ..privacy import PrivacyConfig
 from ..runtime import Runtime
 from .fedprox import proximal_anchor, proximal_term
@@ -244,6 +245,16 @@ class Algorithm(Refusals):
         """Put a client's adapters into ``model`` (FedAMoLE also picks the model's expert slots)."""
         load_adapters(model, adapters)
 
+    def load_cohort(self, model: nn.Module, adapters: list[Tensors]) -> list[str]:
+        """``load_state`` for a cohort model (models/cohort.py): client c's adapters into slot c of
+        each stacked tensor; returns the names of the model's tensors so loaded."""
+        load_stacked(model, adapters)
+        return list(adapters[0])
+
+    def cohort_adapters(self, model: nn.Module, names: list[str]) -> list[Tensors]:
+        """``save_state`` for a cohort model: each client's adapters, as its state names them."""
+        return [self.adapters_of(tensors) for tensors in unstack(model, names)]
+
     def adapters_of(self, model_tensors: Tensors) -> Tensors:
         """A client's adapters as its state names them, from the model's own tensors (the same
         by default; FedAMoLE names domain experts by global id, not by model slot)."""
@@ -263,7 +274,15 @@ class Algorithm(Refusals):
         losses = self.local_training(ctx, state, gen)
         state = self.save_state(ctx.model, state)
         state.rng = gen.get_state()
-        return state, self.round_upload(state, payload), {"train_loss": sum(losses) / max(1, len(losses))}
+        extra, metrics = self.after_training(ctx, state)
+        return state, {**self.round_upload(state, payload), **extra}, \
+            {"train_loss": sum(losses) / max(1, len(losses)), **metrics}
+
+    def after_training(self, ctx: ClientContext, state: ClientState) -> tuple[Tensors, dict]:
+        """What a client computes with its trained model (in ``ctx.model``) after its local steps,
+        both executors alike: tensors its upload carries beside the shared ones (FedAMoLE's RSEA
+        embeddings) and metrics; none by default."""
+        return {}, {}
 
     def round_upload(self, state: ClientState, payload: Tensors) -> Tensors:
         """What leaves the device after the contract's round (both executors): the shared tensors,
@@ -295,6 +314,12 @@ class Algorithm(Refusals):
         """Extra term of the local loss (HetLoRA's rank regulariser); none by default."""
         return torch.zeros(())
 
+    def forward_loss(self, model: nn.Module, own: torch.Tensor | None = None) -> torch.Tensor:
+        """A term of the local loss that the model's last forward defines besides the CE and
+        ``train.load_balance`` (FedAMoLE's eq. 19-20), both executors alike: a scalar, or in a
+        cohort one per client (``own``: each client's own tokens, where the cohort padded); 0 here."""
+        return torch.zeros(())
+
     def local_training(self, ctx: ClientContext, state: ClientState, gen: torch.Generator) -> list[float]:
         """``local_steps`` expert iterations with AdamW; returns the training losses."""
         params = self.train_params(ctx.model)
@@ -317,7 +342,7 @@ class Algorithm(Refusals):
                 loss = train_step(ctx.model, x, y, [p for _, p in params], opt, self.train.grad_clip, scaler,
                                   ctx.runtime.micro_batches_of(ctx.client),
                                   lambda: (self.train.lb_weight * model_load_balance(ctx.model, self.train.load_balance)
-                                           + self.regularizer(ctx, state)
+                                           + self.forward_loss(ctx.model) + self.regularizer(ctx, state)
                                            + (proximal_term(anchor, mu) if anchor else 0.0)))
             if controlled is not None:
                 apply_correction(controlled, lr, state.extra)

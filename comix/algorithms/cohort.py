@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..models.cohort import clients_of, load_stacked, unstack
+from ..models.cohort import clients_of
 from ..models.lora import CohortDraws, LoRADropout
 from ..runtime import to_cpu
 from .scaffold import add_control_rate, begin_control_round, cohort_correction
@@ -69,21 +69,26 @@ def own_tokens(widths: list[int], x: torch.Tensor) -> torch.Tensor | None:
 
 
 def cohort_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, params: list[nn.Parameter],
-                opt: CohortAdamW, lrs: list[float], train: TrainConfig, anchor=(), widths=None) -> torch.Tensor:
+                opt: CohortAdamW, lrs: list[float], train: TrainConfig, anchor=(), widths=None,
+                forward_loss=None) -> torch.Tensor:
     """One optimiser step of every client (``train_step`` per client): the sum of the clients' losses
-    (CE + lb_weight x load balance, + FedProx's term over ``anchor``, each client's own round start)
+    (CE + lb_weight x load balance, + the method's ``forward_loss`` (model, own) -> (C,), + FedProx's
+    term over ``anchor``, each client's own round start)
     differentiated w.r.t. ``params`` only, each client's gradient clipped to its own norm, then
     ``opt`` (with SCAFFOLD's correction, if it holds one). ``widths``: each client's batch's own
     width, where the cohort padded the batches (``_batches``). Returns each client's CE."""
     opt.begin_step(lrs)
-    return _device_step(model, x, y, params, opt, train, anchor, widths)
+    return _device_step(model, x, y, params, opt, train, anchor, widths, forward_loss)
 
 
-def _device_step(model, x, y, params, opt: CohortAdamW, train: TrainConfig, anchor=(), widths=None) -> torch.Tensor:
+def _device_step(model, x, y, params, opt: CohortAdamW, train: TrainConfig, anchor=(), widths=None,
+                 forward_loss=None) -> torch.Tensor:
     """``cohort_step`` after the host's part: fixed shapes, no value read back to the host."""
     ce = cohort_lm_losses(model, x, y)
     own = None if widths is None else own_tokens(widths, x)
     loss = ce + train.lb_weight * model_load_balance(model, train.load_balance, own).to(ce.device)
+    if forward_loss is not None:
+        loss = loss + forward_loss(model, own).to(ce.device)
     if anchor:
         loss = loss + proximal_term(anchor, train.prox_mu, opt.clients)
     grads = torch.autograd.grad(loss.sum(), params, allow_unused=True)
@@ -107,8 +112,10 @@ class CohortStep:
     that fails is logged with its reason and the round goes on eagerly."""
     WARMUP = 3  # eager steps before capture: lazy initialisation (cuBLAS handles, autograd's buffers) happens outside it
 
-    def __init__(self, model, params: list[nn.Parameter], opt: CohortAdamW, train: TrainConfig, capture=False, anchor=()):
+    def __init__(self, model, params: list[nn.Parameter], opt: CohortAdamW, train: TrainConfig, capture=False, anchor=(),
+                 forward_loss=None):
         self.model, self.params, self.opt, self.train, self.anchor = model, params, opt, train, anchor
+        self.forward_loss = forward_loss
         # a model whose step could not be captured once (a quantised base's outlier path reads a
         # value back, bitsandbytes' int8) is not tried again each round
         capture = capture and not getattr(model, "_cohort_capture_failed", False)
@@ -122,7 +129,8 @@ class CohortStep:
         """One step of every client on its rows of ``x`` / ``y`` (``widths``: each client's own, where
         the cohort padded them; a captured step has one fixed shape, so none); returns each client's CE."""
         if not self.capture:
-            return cohort_step(self.model, x, y, self.params, self.opt, lrs, self.train, self.anchor, widths)
+            return cohort_step(self.model, x, y, self.params, self.opt, lrs, self.train, self.anchor, widths,
+                               self.forward_loss)
         assert widths is None or own_tokens(widths, x) is None, "a captured cohort step takes unpadded batches"
         # cuda:N, N > 0: warm-up, capture and replay on the model's device, not the current one
         with torch.cuda.device(self.device), self._autocast():
@@ -139,7 +147,8 @@ class CohortStep:
             if self.calls <= self.WARMUP:
                 self.side.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(self.side):
-                    out = _device_step(self.model, self.x, self.y, self.params, self.opt, self.train, self.anchor)
+                    out = _device_step(self.model, self.x, self.y, self.params, self.opt, self.train, self.anchor,
+                                       forward_loss=self.forward_loss)
                 torch.cuda.current_stream(self.device).wait_stream(self.side)
                 return out
             return self._capture()
@@ -159,7 +168,8 @@ class CohortStep:
             # captured on the warm-ups' stream, of the model's device (the default capture stream is
             # one per process, made on whichever device was current first)
             with torch.cuda.graph(graph, stream=self.side):
-                self.out = _device_step(self.model, self.x, self.y, self.params, self.opt, self.train, self.anchor)
+                self.out = _device_step(self.model, self.x, self.y, self.params, self.opt, self.train, self.anchor,
+                                        forward_loss=self.forward_loss)
         except Exception as err:  # noqa: BLE001 (torch.compile's errors are not all RuntimeErrors)
             # torch.cuda.graph's exit ends the capture before it restores the stream, and a broken
             # capture makes that end raise too: the stream put back by hand, the first cause logged
@@ -169,7 +179,8 @@ class CohortStep:
                         type(cause).__name__, str(cause).splitlines()[0] if str(cause) else "")
             self.capture, self.model._cohort_capture_failed = False, True
             # the step, recorded but not run, has changed nothing on the device: run it eagerly
-            return _device_step(self.model, self.x, self.y, self.params, self.opt, self.train, self.anchor)
+            return _device_step(self.model, self.x, self.y, self.params, self.opt, self.train, self.anchor,
+                                forward_loss=self.forward_loss)
         self.graph, self.captured = graph, True
         graph.replay()
         return self.out.clone()
@@ -250,11 +261,12 @@ def _lockstep(algorithm, model, members, gens, contexts, step: CohortStep, route
     return losses, rows
 
 
-def cohort_round(algorithm, model: nn.Module, members: list[CohortMember], contexts) -> list[tuple]:
+def cohort_round(algorithm, model: nn.Module, members: list[CohortMember], contexts, single: nn.Module) -> list[tuple]:
     """One local round of every member, in lockstep on ``model`` (stacked for len(members)
     clients): ``Algorithm.client_round``'s default body for each member. Returns
     [(state, upload, metrics)] in member order. ``contexts``: each member's ``ClientContext``
-    (the methods' ``train_batch`` reads its data from it)."""
+    (the methods' ``train_batch`` reads its data from it); ``single``: the members' architecture
+    unstacked, where each member's trained adapters are loaded in turn for ``after_training``."""
     train = algorithm.train
     if len({m.state.step for m in members}) != 1:
         raise ValueError("a cohort's members must have taken the same number of steps (engines group them so)")
@@ -264,7 +276,7 @@ def cohort_round(algorithm, model: nn.Module, members: list[CohortMember], conte
                                       extra=dict(m.state.extra))
         begin_control_round(m.state.extra, m.payload)
         m.state = algorithm.apply_payload(m.state, m.payload)
-    load_stacked(model, [m.state.adapters for m in members])
+    names = algorithm.load_cohort(model, [m.state.adapters for m in members])
     gens = [batch_generator(m.state) for m in members]
     runtime = contexts[0].runtime
     # LoRA dropout: each member's masks from its own generator, seeded as its turn alone seeds torch's
@@ -291,7 +303,8 @@ def cohort_round(algorithm, model: nn.Module, members: list[CohortMember], conte
         # a captured graph replays one shape and no host-side draws: batches of one width (language
         # modelling's windows), no dropout; instruction batches and dropout run their steps eagerly
         fixed = not dropouts and all(getattr(m.data, "task", "lm") == "lm" for m in members)
-        step = CohortStep(model, params, opt, train, capture=runtime.graphs and fixed, anchor=anchor)
+        step = CohortStep(model, params, opt, train, capture=runtime.graphs and fixed, anchor=anchor,
+                          forward_loss=algorithm.forward_loss)
         losses, rows = _lockstep(algorithm, model, members, gens, contexts, step, routed, phase, masters, draws)
     finally:  # a failed round too leaves the model's tensors fp32 (the masters) for whatever runs next
         del step  # the captured graph's memory, before the states are read
@@ -303,10 +316,13 @@ def cohort_round(algorithm, model: nn.Module, members: list[CohortMember], conte
         masters.restore()
     per_client = torch.stack(losses).t().tolist()  # (C, steps): one device sync per round
     out = []
-    trained = unstack(model, list(members[0].state.adapters))
-    for m, g, adapters, client_losses in zip(members, gens, trained, per_client):
-        m.state.adapters = algorithm.adapters_of(adapters)
+    for m, g, adapters, client_losses, ctx in zip(members, gens, algorithm.cohort_adapters(model, names), per_client,
+                                                  contexts):
+        m.state.adapters = adapters
         m.state.rng = g.get_state()
-        out.append((m.state, algorithm.round_upload(m.state, m.payload),
-                    {"train_loss": sum(client_losses) / max(1, len(client_losses)), "tokens": rows[m.client]}))
+        # what the member computes with its trained model (FedAMoLE's RSEA embeddings), as its turn would
+        algorithm.load_state(single, adapters)
+        extra, metrics = algorithm.after_training(dataclasses.replace(ctx, model=single), m.state)
+        out.append((m.state, {**algorithm.round_upload(m.state, m.payload), **extra},
+                    {"train_loss": sum(client_losses) / max(1, len(client_losses)), "tokens": rows[m.client], **metrics}))
     return out

@@ -50,11 +50,12 @@ from torch import nn
 
 from ..data import sample_batch
 from ..models import AdapterConfig, mixtures
-from ..models.amole import AMoLEConfig, AMoLELinear, amole_load_balance
+from ..models.amole import AMoLEConfig, AMoLELinear, layer_load_balance
+from ..models.cohort import unstack
 from ..runtime import to_cpu
 from .base import Algorithm, ClientContext, ClientState, Tensors
 from ..data.partition import held_out
-from .training import FEDAMOLE_OPTIMIZER, FEDAMOLE_OPTIMIZER_SOURCE, adapter_tensors
+from .training import FEDAMOLE_OPTIMIZER, FEDAMOLE_OPTIMIZER_SOURCE, adapter_tensors, load_adapters
 from .rsea import assign, assign_by_relevance, check_feasible, random_assignment
 
 _EXPERT = re.compile(r"^(?P<module>.+)\.experts\.(?P<id>\d+)\.lora_(?P<ab>[AB])$")
@@ -142,25 +143,53 @@ class FedAMoLE(Algorithm):
         state.adapters = out
         return state
 
-    def load_state(self, model: nn.Module, adapters: Tensors) -> None:
-        """Shared expert and router by name; the held experts into the first slots, by id."""
+    def _slots(self, model: nn.Module, adapters: Tensors) -> tuple[Tensors, dict[str, list[int]]]:
+        """A client's adapters as the model names them (its held experts in the first slots by
+        ascending id, the other slots zero) and each module's held ids."""
         modules = amole_modules(model)
         held: dict[str, dict[int, dict[str, torch.Tensor]]] = {m: {} for m in modules}
+        out = {}
+        for n, t in adapters.items():
+            m = _EXPERT.match(n)
+            if m and m["module"] in held:
+                held[m["module"]].setdefault(int(m["id"]), {})[m["ab"]] = t
+            else:
+                out[n] = t
+        for name, module in modules.items():
+            ids = sorted(held[name])
+            for ab in "AB":
+                factors = torch.stack([held[name][g][ab] for g in ids])
+                empty = factors.new_zeros(self.cfg.slots - len(ids), *factors.shape[1:])
+                out[f"{name}.expert_{ab}"] = torch.cat([factors, empty])
+        return out, {name: sorted(h) for name, h in held.items()}
+
+    def load_state(self, model: nn.Module, adapters: Tensors) -> None:
+        """Shared expert and router by name; the held experts into the first slots, by id."""
+        tensors, ids = self._slots(model, adapters)
+        for name, module in amole_modules(model).items():
+            module.assign(ids[name])
         params = dict(model.named_parameters())
-        with torch.no_grad():
-            for n, t in adapters.items():
-                m = _EXPERT.match(n)
-                if m and m["module"] in held:
-                    held[m["module"]].setdefault(int(m["id"]), {})[m["ab"]] = t
-                elif n in params:
-                    params[n].copy_(t)
+        load_adapters(model, {n: t for n, t in tensors.items() if n in params})
+
+    def load_cohort(self, model: nn.Module, adapters: list[Tensors]) -> list[str]:
+        """``load_state`` of each client of a cohort: its held experts into its own first slots."""
+        slots = [self._slots(model, a) for a in adapters]
+        for name, module in amole_modules(model).items():
+            module.assign_clients([ids[name] for _, ids in slots])
+        return super().load_cohort(model, [tensors for tensors, _ in slots])
+
+    def cohort_adapters(self, model: nn.Module, names: list[str]) -> list[Tensors]:
+        """``save_state`` of each client of a cohort: its slots back under the ids of its experts."""
+        modules = amole_modules(model)
+        out = []
+        for c, tensors in enumerate(unstack(model, names)):
+            state = {n: t for n, t in tensors.items() if not n.endswith((".expert_A", ".expert_B"))}
             for name, module in modules.items():
-                ids = sorted(held[name])
-                module.assign(ids)
-                module.expert_A[:len(ids)].copy_(torch.stack([held[name][g]["A"] for g in ids]))
-                module.expert_B[:len(ids)].copy_(torch.stack([held[name][g]["B"] for g in ids]))
-                module.expert_A[len(ids):].zero_()
-                module.expert_B[len(ids):].zero_()
+                for slot, gid in enumerate(module.slot_ids[c, :module.experts_of(c)].tolist()):
+                    for ab in "AB":
+                        state[expert_name(name, gid, ab)] = tensors[f"{name}.expert_{ab}"][slot].clone()
+            out.append(state)
+        return out
 
     # -- client ------------------------------------------------------------------------------------
     def apply_payload(self, state: ClientState, payload: Tensors) -> ClientState:
@@ -192,14 +221,12 @@ class FedAMoLE(Algorithm):
     def train_batch(self, ctx: ClientContext, gen: torch.Generator):
         return sample_batch(self.split(ctx.data.train)[0], self.train.batch_size, self.train.seq_len, gen)
 
-    def local_loss_extra(self, model: nn.Module) -> torch.Tensor:
-        """beta * sum over modules of eq. 19's load balance (from the last forward)."""
-        terms = [amole_load_balance(m.last_routing, m.n_active) for m in mixtures(model)
+    def forward_loss(self, model: nn.Module, own: torch.Tensor | None = None) -> torch.Tensor:
+        """beta * sum over modules of eq. 19's load balance (from the last forward); in a cohort one
+        per client, over its own tokens and experts (``layer_load_balance``)."""
+        terms = [layer_load_balance(m, own) for m in mixtures(model)
                  if isinstance(m, AMoLELinear) and m.last_routing is not None]
-        return self.beta * torch.stack(terms).sum() if terms else torch.zeros(())
-
-    def regularizer(self, ctx: ClientContext, state: ClientState) -> torch.Tensor:
-        return self.local_loss_extra(ctx.model)
+        return self.beta * torch.stack(terms).sum(0) if terms else torch.zeros(())
 
     def embeddings(self, ctx: ClientContext) -> Tensors:
         """Eq. 23 and 25 on the embedding set: per module the mean token embedding and the mean
@@ -252,13 +279,12 @@ class FedAMoLE(Algorithm):
                 out[f"rsea.{name}.expert.{gid}"] = noise(mean["expert"][slot])
         return out
 
-    def client_round(self, ctx: ClientContext, state: ClientState, payload: Tensors):
-        state, upload, metrics = super().client_round(ctx, state, payload)
-        if self.assignment == "rsea":
-            upload.update(self.embeddings(ctx))  # the model still holds this round's trained experts
+    def after_training(self, ctx: ClientContext, state: ClientState) -> tuple[Tensors, dict]:
+        """RSEA's embeddings (eq. 23, 25) of the model that holds this round's trained experts, beside
+        the upload; the mean number of experts a module holds."""
         modules = amole_modules(ctx.model).values()
-        metrics["experts"] = sum(m.n_active for m in modules) / max(1, len(modules))  # mean per module
-        return state, upload, metrics
+        experts = sum(m.n_active for m in modules) / max(1, len(modules))
+        return self.embeddings(ctx) if self.assignment == "rsea" else {}, {"experts": experts}
 
     # -- server ------------------------------------------------------------------------------------
     @staticmethod

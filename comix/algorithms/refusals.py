@@ -58,22 +58,25 @@ class Refusals:
     def cohort_refusal(self) -> str | None:
         """Why this method's clients cannot train together in a cohort (algorithms/cohort.py),
         one line, or None. A cohort runs the contract's default local round (``client_round``:
-        payload, ``local_training`` with ``train_params``, ``train_batch`` and the ``interleaved``
-        steps, upload) on adapters made of plain LoRA factors and mixture routers; a method that
-        writes any other part of its round itself keeps its own client step, one client at a time."""
+        payload, ``local_training`` with ``train_params``, ``train_batch``, ``forward_loss`` and the
+        ``interleaved`` steps, upload, ``after_training``) on adapters made of plain LoRA factors,
+        mixture routers and AMoLE layers; a method that writes any other part of its round itself
+        keeps its own client step, one client at a time."""
         if self.pooled or not self.trains:
             return "it trains one pooled model or none: there is no cohort of clients"
         if self.device_spec(0) is not None:
             return "each device trains its own model, not adapters over the one shared base"
+        mine = lambda name: getattr(type(self), name) is not getattr(_contract(type(self)), name)  # noqa: E731
+        # a state loaded or saved its own way runs in a cohort where the method says how for a cohort too
         own = [name for name in ("client_round", "local_training", "regularizer", "after_expert_step", "load_state",
-                                 "save_state", "personal_adapters", "scoring")
-               if getattr(type(self), name) is not getattr(_contract(type(self)), name)]
+                                 "save_state", "personal_adapters", "scoring") if mine(name)
+               and not (name == "load_state" and mine("load_cohort") or name == "save_state" and mine("cohort_adapters"))]
         if own:
             return f"it writes its own {', '.join(own)}: that client step runs as written, one client at a time"
         for c in range(self.n_clients):
             cfg = self.adapter_config(c)
             kinds = [what for what, has in (("a personal LoRA pair", cfg.personal or cfg.attention_personal),
-                                            ("a merged update", cfg.merged), ("AMoLE modules", cfg.amole is not None),
+                                            ("a merged update", cfg.merged),
                                             ("FedLEASE's experts", cfg.lease is not None),
                                             ("a soft prompt", cfg.prompt is not None),
                                             ("unfused experts", cfg.mlp == "mixture" and not cfg.fused)) if has]
@@ -117,7 +120,8 @@ class Refusals:
         steps (CoMiGS) run by the same program on their own batches."""
         if self.pooled or not self.trains or self.device_spec(0) is not None:
             return "its devices do not train adapters over the one shared base"
-        own = [name for name in ("client_round", "local_training", "regularizer", "after_expert_step", "train_batch")
+        own = [name for name in ("client_round", "local_training", "regularizer", "forward_loss", "after_expert_step",
+                                 "train_batch")
                if getattr(type(self), name) is not getattr(_contract(type(self)), name)]
         if own:
             return f"it writes its own {', '.join(own)}, which the exported step does not run"

@@ -158,8 +158,9 @@ def evaluate_cohort(model: nn.Module, users: list[UserData], train, runtime: Run
                 model(input_ids=batch.reshape(-1, seq_len).to(runtime.device))
                 gates = [m.last_routing.dense_gates(m.n_experts).float().reshape(len(users), most * seq_len, -1)
                          for m in mixtures(model)]
-            for c, (o, r) in enumerate(zip(out, rows)):
-                o["gates"] = [[round(v, 4) for v in g[c, :r * seq_len].mean(0).tolist()] for g in gates]
+            for c, (o, r) in enumerate(zip(out, rows)):  # each client's own experts' gates (FedAMoLE: its held slots)
+                o["gates"] = [[round(v, 4) for v in g[c, :r * seq_len, :m.experts_of(c)].mean(0).tolist()]
+                              for g, m in zip(gates, mixtures(model))]
     finally:
         model.train(was_training)
     return out

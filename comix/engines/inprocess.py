@@ -25,7 +25,7 @@ from ..algorithms.base import ServerContext, Tensors
 from ..algorithms.cohort import CohortMember, cohort_round
 from ..data import UserData
 from ..models import inject_adapters
-from ..models.cohort import load_stacked, stack_clients
+from ..models.cohort import stack_clients
 from ..models.mixture import set_compiled
 from ..models.quant import quant_of_base, quantize_base, shared_objects
 from ..runtime import Runtime
@@ -243,7 +243,7 @@ class InProcess:
             torch.cuda.reset_peak_memory_stats(rt.device)
         t0 = time.perf_counter()
         with rt.autocast(), Footprint(model) as footprint:
-            results = cohort_round(a, model, members, contexts)
+            results = cohort_round(a, model, members, contexts, self.devices[clients[0]].model)
         seconds = (time.perf_counter() - t0) / len(group)  # the cohort's wall time, shared
         out = {}
         for c, (state, upload, metrics) in zip(clients, results):
@@ -310,7 +310,7 @@ class InProcess:
             model = self._stacked_for(part[0], len(part))
             with rt.autocast():
                 adapters = [a.personal_adapters(self.devices[c].context(), self.store[c], payloads[c]) for c in part]
-            load_stacked(model, adapters)
+            a.load_cohort(model, adapters)
             try:
                 scored = evaluate_cohort(model, [self.users[c] for c in part], a.train, rt)
             except torch.OutOfMemoryError as err:

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .lora import LoRAWeights, linear_dims, lora_dropout
+from .lora import LoRAWeights, client_linear, linear_dims, lora_dropout
 from .mixture import MixtureOfLoRA, Routing
 
 
@@ -83,6 +83,7 @@ class AMoLELinear(MixtureOfLoRA):
             self.token_proj = None
             self.vanilla_router = nn.Linear(d_in, cfg.pool, bias=False)
         self.register_buffer("slot_ids", torch.full((cfg.slots,), -1, dtype=torch.long), persistent=False)
+        self.held: torch.Tensor | None = None  # (C, b) in a cohort: which slots each client holds
         self.n_active = cfg.top_k
         self.scaling = cfg.scaling
         self.score_scale = math.sqrt(d_in if cfg.score_scale == "d" else r)
@@ -104,23 +105,66 @@ class AMoLELinear(MixtureOfLoRA):
         """Put the global experts ``ids`` into the first slots (their factors are loaded by the caller)."""
         if not self.top_k <= len(ids) <= self.cfg.slots:
             raise ValueError(f"an AMoLE module takes {self.top_k}..{self.cfg.slots} experts, got {len(ids)}")
+        if self.held is not None:
+            raise RuntimeError("a cohort's AMoLE layer takes each client's experts through assign_clients")
         self.slot_ids.fill_(-1)
         self.slot_ids[:len(ids)] = torch.as_tensor(ids, dtype=torch.long)
         self.n_active = self.n_experts = len(ids)
 
+    # -- a cohort (models/cohort.py) ----------------------------------------------------------------
+    def stack(self, clients: int) -> None:
+        """Give every trained tensor a leading axis of ``clients`` (this layer must be a cohort
+        model's own copy: the tensors are replaced, not written)."""
+        def stacked(p: torch.Tensor) -> nn.Parameter:
+            return nn.Parameter(p.detach().unsqueeze(0).repeat(clients, *([1] * p.dim())))
+        self.expert_A, self.expert_B = stacked(self.expert_A), stacked(self.expert_B)
+        if self.token_proj is not None:
+            self.token_proj = stacked(self.token_proj)
+        else:
+            self.vanilla_router.weight = stacked(self.vanilla_router.weight)
+        self.slot_ids = torch.full((clients, self.cfg.slots), -1, dtype=torch.long, device=self.slot_ids.device)
+        self.held = torch.zeros(clients, self.cfg.slots, dtype=torch.bool, device=self.slot_ids.device)
+        self.n_active = self.n_experts = self.cfg.slots  # every slot computed, the empty ones masked
+
+    def assign_clients(self, ids: list[list[int]]) -> None:
+        """Client c's global experts ``ids[c]`` into its first slots (``assign``, per client)."""
+        for c, held in enumerate(ids):
+            if not self.top_k <= len(held) <= self.cfg.slots:
+                raise ValueError(f"an AMoLE module takes {self.top_k}..{self.cfg.slots} experts, got {len(held)}")
+            self.slot_ids[c].fill_(-1)
+            self.slot_ids[c, :len(held)] = torch.as_tensor(held, dtype=torch.long)
+            self.held[c] = torch.arange(self.cfg.slots, device=self.held.device) < len(held)
+
+    @property
+    def clients(self) -> int:
+        return 1 if self.held is None else self.held.shape[0]
+
+    def experts_of(self, client: int) -> int:
+        """How many experts ``client`` holds (its gates are the first that many slots')."""
+        return self.n_active if self.held is None else int(self.held[client].sum())
+
     # -- routing ----------------------------------------------------------------------------------
     def _active(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The occupied slots' factors: (n, r, d_in) and (n, d_out, r); in a cohort every slot's,
+        with the client axis first."""
         n = self.n_active
-        return self.expert_A[:n], self.expert_B[:n]
+        return self.expert_A.narrow(-3, 0, n), self.expert_B.narrow(-3, 0, n)
 
     def route(self, x: torch.Tensor) -> Routing:
         a, _ = self._active()
-        n, r = a.shape[0], a.shape[1]
+        n, r = a.shape[-3], a.shape[-2]
         if self.vanilla_router is None:
-            emb = (x @ a.reshape(n * r, -1).t()).reshape(-1, n, r)                   # e_j = A_j h, all j
-            scores = torch.einsum("tnr,tr->tn", emb, x @ self.token_proj.t()) / self.score_scale
-        else:  # FedAMoLE-A: pool-wide logits, only the assigned experts' kept
+            emb = client_linear(x, a.reshape(*a.shape[:-3], n * r, -1)).reshape(-1, n, r)  # e_j = A_j h, all j
+            scores = torch.einsum("tnr,tr->tn", emb, client_linear(x, self.token_proj)) / self.score_scale
+        elif self.held is None:  # FedAMoLE-A: pool-wide logits, only the assigned experts' kept
             scores = self.vanilla_router(x)[:, self.slot_ids[:n]]
+        else:
+            logits = client_linear(x, self.vanilla_router.weight)
+            logits = logits.reshape(self.clients, -1, logits.shape[-1])
+            ids = self.slot_ids.clamp(min=0).unsqueeze(1).expand(-1, logits.shape[1], -1)
+            scores = logits.gather(-1, ids).reshape(-1, n)
+        if self.held is not None:  # a client's empty slots: no probability (its own softmax over n_active)
+            scores = scores.reshape(self.clients, -1, n).masked_fill(~self.held.unsqueeze(1), float("-inf")).reshape(-1, n)
         probs = scores.softmax(-1)
         top_w, top_i = probs.topk(self.top_k, dim=-1)
         if self.cfg.renormalize:
@@ -137,11 +181,11 @@ class AMoLELinear(MixtureOfLoRA):
 
     def _fused(self, xd: torch.Tensor, routing: Routing) -> torch.Tensor:
         a, b = self._active()
-        n, r = a.shape[0], a.shape[1]
+        n, r = a.shape[-3], a.shape[-2]
         gates = routing.dense_gates(n)                                            # (T, n): p_j on top-k
-        z = (xd @ a.reshape(n * r, -1).t()).reshape(-1, n, r) * gates.unsqueeze(-1).to(xd.dtype)
-        b_cat = b.permute(1, 0, 2).reshape(b.shape[1], n * r)                     # (out, n*r) = [B_1 .. B_n]
-        return (z.reshape(-1, n * r) @ b_cat.t()) * self.scaling
+        z = client_linear(xd, a.reshape(*a.shape[:-3], n * r, -1)).reshape(-1, n, r) * gates.unsqueeze(-1).to(xd.dtype)
+        b_cat = b.transpose(-3, -2).reshape(*b.shape[:-3], b.shape[-2], n * r)    # (out, n*r) = [B_1 .. B_n]
+        return client_linear(z.reshape(-1, n * r), b_cat) * self.scaling
 
     def _naive(self, xd: torch.Tensor, routing: Routing) -> torch.Tensor:
         a, b = self._active()
@@ -159,3 +203,22 @@ def amole_load_balance(routing: Routing, n_experts: int) -> torch.Tensor:
         return routing.topk_weight.new_zeros(())
     f = F.one_hot(routing.topk_index[:, 0], n_experts).float().mean(0)
     return n_experts * (f * routing.probs.float().mean(0)).sum()
+
+
+def layer_load_balance(layer: AMoLELinear, own: torch.Tensor | None = None) -> torch.Tensor:
+    """``amole_load_balance`` of ``layer``'s last forward; in a cohort one per client, shape (C,):
+    f and P over the client's own tokens (``own``: (C, tokens), 0 where the cohort padded its
+    batch), n its own expert count (its empty slots hold no probability and no top-1 token)."""
+    routing = layer.last_routing
+    if layer.held is None:
+        return amole_load_balance(routing, layer.n_active)
+    clients, n = layer.clients, layer.n_active
+    f = F.one_hot(routing.topk_index[:, 0], n).float().reshape(clients, -1, n)
+    p = routing.probs.float().reshape(clients, -1, n)
+    if own is None:
+        f, p = f.mean(1), p.mean(1)
+    else:
+        w = own.to(f.device, f.dtype).unsqueeze(-1) / own.sum(1).view(-1, 1, 1).to(f.device, f.dtype)
+        f, p = (f * w).sum(1), (p * w).sum(1)
+    held = layer.held.sum(1).to(f.dtype)
+    return held * (f * p).sum(-1) * (held >= 2)  # one expert: no balance, as amole_load_balance

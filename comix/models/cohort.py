@@ -12,10 +12,11 @@ federated round, with torch.func's model-ensembling idea of stacked parameters
 (``stack_module_state``), written with plain ``bmm`` so that autograd, autocast and the
 optimiser see ordinary tensors.
 
-Only adapters made of ``LoRAWeights`` and the linear routers of ``MixtureOfLoRA`` are stacked;
-the layers read the client axis from their weights' shape (``LoRAWeights.delta``,
-``MixtureOfLoRAMLP._fused``, ``MixtureOfLoRA.route``), so a model with 2-D weights computes
-exactly as before.
+Only adapters made of ``LoRAWeights``, the linear routers of ``MixtureOfLoRA`` and FedAMoLE's
+AMoLE layers (``AMoLELinear.stack``: slots, token projection or router, each client's slot ids)
+are stacked; the layers read the client axis from their weights' shape (``LoRAWeights.delta``,
+``MixtureOfLoRAMLP._fused``, ``MixtureOfLoRA.route``, ``AMoLELinear.route``), so a model with
+2-D weights computes exactly as before.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ def stack_clients(model: nn.Module, clients: int) -> nn.Module:
     mixture router has a leading axis of ``clients``; parameter names are unchanged, so client
     c's adapters are ``{name: param[c]}`` (``unstack``) and a cohort loads its clients' states
     by name (``load_stacked``)."""
+    from .amole import AMoLELinear
     from .mixture import MixtureOfLoRA
 
     from .quant import shared_objects
@@ -55,6 +57,8 @@ def stack_clients(model: nn.Module, clients: int) -> nn.Module:
                 for name in ("lora_A", "lora_B"):
                     p = getattr(m, name)
                     setattr(m, name, nn.Parameter(p.detach().unsqueeze(0).repeat(clients, 1, 1)))
+            elif isinstance(m, AMoLELinear):  # its slots, token projection or router, and slot ids
+                m.stack(clients)
             elif isinstance(m, MixtureOfLoRA) and m.router is not None:
                 w = m.router.weight
                 m.router.weight = nn.Parameter(w.detach().unsqueeze(0).repeat(clients, 1, 1))

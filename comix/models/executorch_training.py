@@ -75,29 +75,12 @@ class ExecuTorchTraining:
 
     def __init__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
                  extra: Callable[[], torch.Tensor] | None = None):
-        from executorch.exir import ExecutorchBackendConfig, to_edge
         from executorch.extension.pybindings.portable_lib import _load_for_executorch_from_buffer
         from executorch.extension.training.pybindings._training_module import TrainingModule
-        from torch.export.experimental import _export_forward_backward
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]
         if not self.names:
             raise ValueError("the model has no parameter to train (none requires a gradient)")
-        attention = model.config._attn_implementation
-        model.config._attn_implementation = "eager"
-        compiled = [m for m in model.modules() if getattr(m, "compiled", False)]
-        for m in compiled:
-            m.compiled = False
-        try:
-            program = _export_forward_backward(torch.export.export(_WithLoss(model, extra), (x, y), strict=False))
-        finally:
-            model.config._attn_implementation = attention
-            for m in compiled:
-                m.compiled = True
-        _plain_empty(program)
-        # the trained tensors as the program's external mutable weights (a .ptd file beside the .pte,
-        # executorch/exir/capture/_config.py ``external_mutable_weights``): the program a device keeps
-        # for its architecture, and the small file of adapters a round rewrites
-        manager = to_edge(program).to_executorch(config=ExecutorchBackendConfig(external_mutable_weights=True))
+        manager = lower(model, x, y, extra)
         self.buffer = manager.buffer
         with tempfile.TemporaryDirectory() as folder:
             manager.write_tensor_data_to_file(folder)
@@ -137,6 +120,30 @@ class ExecuTorchTraining:
         _, ce = self.module.forward_backward("forward", (x, y))
         grads = {n.removeprefix("model."): g.clone() for n, g in self.module.named_gradients().items()}
         return ce.clone(), grads
+
+
+def lower(model: nn.Module, x: torch.Tensor, y: torch.Tensor, extra: Callable[[], torch.Tensor] | None = None):
+    """``model``'s step (CE + ``extra``) as an ExecuTorch program manager: exported, its backward
+    joined (``_export_forward_backward``), lowered to the edge dialect and to ExecuTorch, the
+    trained tensors as external mutable weights (``ExecuTorchTraining``'s docstring says why each)."""
+    from executorch.exir import ExecutorchBackendConfig, to_edge
+    from torch.export.experimental import _export_forward_backward
+    attention = model.config._attn_implementation
+    model.config._attn_implementation = "eager"
+    compiled = [m for m in model.modules() if getattr(m, "compiled", False)]
+    for m in compiled:
+        m.compiled = False
+    try:
+        program = _export_forward_backward(torch.export.export(_WithLoss(model, extra), (x, y), strict=False))
+    finally:
+        model.config._attn_implementation = attention
+        for m in compiled:
+            m.compiled = True
+    _plain_empty(program)
+    # the trained tensors as the program's external mutable weights (a .ptd file beside the .pte,
+    # executorch/exir/capture/_config.py ``external_mutable_weights``): the program a device keeps
+    # for its architecture, and the small file of adapters a round rewrites
+    return to_edge(program).to_executorch(config=ExecutorchBackendConfig(external_mutable_weights=True))
 
 
 _PROGRAMS: dict[tuple, ExecuTorchTraining] = {}

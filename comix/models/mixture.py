@@ -88,6 +88,15 @@ class MixtureOfLoRA(nn.Module):
         self.record_stats = False
         self.stats: dict[str, torch.Tensor] = {}
 
+    @property
+    def clients(self) -> int:
+        """How many clients' routers this layer holds (a cohort's: models/cohort.py), else 1."""
+        return self.router.weight.shape[0] if self.router is not None and self.router.weight.dim() == 3 else 1
+
+    def experts_of(self, client: int) -> int:
+        """How many experts ``client`` routes over (its gates are the first that many)."""
+        return self.n_experts
+
     def route(self, x: torch.Tensor) -> Routing:
         if self.router is None:
             ones = x.new_ones(x.shape[0], 1)
@@ -106,8 +115,8 @@ class MixtureOfLoRA(nn.Module):
         if self.record_stats:
             with torch.no_grad():
                 gates = routing.dense_gates(self.n_experts).float()
-                clients = self.router.weight.shape[0] if self.router is not None and self.router.weight.dim() == 3 else 1
                 # a cohort (models/cohort.py): one mean gate per client, over its own tokens
+                clients = self.clients
                 mean = gates.reshape(clients, -1, self.n_experts).mean(1) if clients > 1 else gates.mean(0)
                 self.stats = {"mean_gate": mean, "top1": routing.topk_index[:, 0].reshape(shape[:-1]).clone()}
         return self._experts_forward(x, routing).reshape(*shape[:-1], -1)
