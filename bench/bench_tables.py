@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import lzma
 import re
+import statistics
 from pathlib import Path
 
 
@@ -172,6 +173,40 @@ def soak_table(text: str) -> str:
                       f"flwr {r['flwr']}.{note}", "", "| | |", "|---|---|", *(f"| {a} | {b} |" for a, b in rows)])
 
 
+def poisoned_table(text: str) -> str:
+    """bench/poisoned.py's result file: the honest clients' mean test perplexity of FedAvg's global
+    model under each server rule, without attack and under each attack, mean over seeds and per seed,
+    each attacked run's difference from the clean mean run with a 95 % t interval over the seeds;
+    read only where the clean run's gain over the untrained base is itself resolved (the first line)."""
+    from cases import paired_interval
+    r = json.loads(text)
+    table, seeds = r["honest_test_ppl"], r["seeds"]
+    clean = table["none"]["mean"]
+
+    def cell(xs):
+        per = " / ".join(f"{x:.2f}" for x in xs)
+        return f"{statistics.fmean(xs):.2f} ({per})" if len(xs) > 1 else per
+
+    def diff(xs):
+        mean, half = paired_interval([x - c for x, c in zip(xs, clean)])
+        return f"{mean:+.2f}" if half != half else f"{mean:+.2f} [{mean - half:+.2f}, {mean + half:+.2f}]"
+    gain, half = paired_interval([u - c for u, c in zip(r["pretrained_honest_test_ppl"], clean)])
+    resolved = half == half and gain - half > 0
+    head = (f"`{r['command'].strip()}`: {r['clients']} clients, clients {', '.join(map(str, r['attackers']))} attack "
+            f"every round; seeds {' / '.join(map(str, seeds))}; {r['machine']}, {r['date']}, torch {r['torch']}. "
+            f"The untrained base scores {cell(r['pretrained_honest_test_ppl'])} on the honest clients, the clean "
+            f"mean run {cell(clean)}: a gain of {gain:.2f}" + ("" if half != half else f" [{gain - half:.2f}, {gain + half:.2f}]")
+            + (", resolved over the seeds, so the rules can be read." if resolved else
+               ", not resolved over the seeds: the rules cannot be read at this scale yet."))
+    attacks = list(table)
+    rows = [f"| {rule} | " + " | ".join(cell(table[a][rule]) + ("" if a == "none" and rule == "mean" else
+                                                                 f"; {diff(table[a][rule])}") for a in attacks) + " |"
+            for rule in table["none"]]
+    return "\n".join([head, "", "| server rule | " + " | ".join(
+        f"{'no attack' if a == 'none' else a}: honest test ppl (per seed); minus the clean mean run" for a in attacks) + " |",
+        "|---|" + "---|" * len(attacks), *rows])
+
+
 def large_upload_table(text: str) -> str:
     """bench/large_upload.py's result file: one device upload over 2 GB through a TLS + authenticated
     loopback deployment, whether it arrived bit for bit, its time and each process's peak memory."""
@@ -243,6 +278,6 @@ def mutation_sweep_table(text: str) -> str:
                               "its module's tests with `-x` on a clean tree, the file restored after.")
 
 
-BENCH_FILES = {"mutation-sweep.json": mutation_sweep_table, "eval-clients.json": eval_clients_table, "main-job-profile.json": main_job_profile_table, "soak.json": soak_table, "large-upload.json": large_upload_table, "device-export.json": device_export_table, "cohort-cpu-fp32.json": cohort_table, "layer-speed.md": layer_speed_table, "layer-speed-full.md": layer_speed_table,  # written by a bench
+BENCH_FILES = {"poisoned.json": poisoned_table, "mutation-sweep.json": mutation_sweep_table, "eval-clients.json": eval_clients_table, "main-job-profile.json": main_job_profile_table, "soak.json": soak_table, "large-upload.json": large_upload_table, "device-export.json": device_export_table, "cohort-cpu-fp32.json": cohort_table, "layer-speed.md": layer_speed_table, "layer-speed-full.md": layer_speed_table,  # written by a bench
                "layer-speed-h200-bf16.md": layer_speed_table,
                "vaa-attribution.json": vaa_attribution_table, "vaa-attribution-long.json": vaa_attribution_table}

@@ -41,6 +41,26 @@ from comix.models.executorch_training import program_for  # noqa: E402
 from comix.runtime import Runtime, process_memory_mb  # noqa: E402
 
 
+def client_step(model_name: str, method: str, batch: int, seq: int, n_batches: int):
+    """A device's client model of ``method`` over ``model_name`` with fresh adapters, its expert
+    parameters, ``n_batches`` random (inputs, targets) batches and its load balance (the term, its
+    settings): what both runtimes' steps take, the main job's rates (lr 2e-3, load balance 0.01)."""
+    base, _ = load_base_model(model_name)
+    train = TrainConfig()
+    algo = make_algorithm(method, LoRAConfig(), train, 4)
+    model = ClientModels(base, algo).for_client(0)
+    adapters = fresh_adapters(model, 0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n in adapters:
+                p.copy_(adapters[n])
+    gen = torch.Generator().manual_seed(0)
+    batches = [(lambda t: (t[:, :-1].contiguous(), t[:, 1:].contiguous()))(
+        torch.randint(0, model.config.vocab_size, (batch, seq + 1), generator=gen)) for _ in range(n_batches)]
+    lb = (lambda: train.lb_weight * model_load_balance(model, train.load_balance)), (train.lb_weight, train.load_balance)
+    return model, train, expert_params(model), batches, lb
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -50,21 +70,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--out", default="bench/results/executorch-step.json")
     args = ap.parse_args()
-    base, _ = load_base_model(args.model)
-    train = TrainConfig()  # the main job's rates (lr 2e-3, load balance 0.01)
-    algo = make_algorithm(args.method, LoRAConfig(), train, 4)
-    model = ClientModels(base, algo).for_client(0)
-    adapters = fresh_adapters(model, 0)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n in adapters:
-                p.copy_(adapters[n])
-    named = expert_params(model)
-    gen = torch.Generator().manual_seed(0)
-    batches = [(lambda t: (t[:, :-1].contiguous(), t[:, 1:].contiguous()))(torch.randint(0, model.config.vocab_size, (args.batch, args.seq + 1),
-                                                               generator=gen)) for _ in range(2 * args.reps + 4)]
+    model, train, named, batches, lb = client_step(args.model, args.method, args.batch, args.seq, 2 * args.reps + 4)
     x, y = batches[0]
-    lb = (lambda: train.lb_weight * model_load_balance(model, train.load_balance)), (train.lb_weight, train.load_balance)
 
     rss0, t0 = process_memory_mb(), time.perf_counter()
     program = program_for(model, x, y, *lb)

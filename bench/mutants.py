@@ -4,34 +4,9 @@ quantised bases, fleets, tracking, the cohort engine), each with what a user wou
 tests that must notice it. Each ``find`` occurs exactly once in its file (checked before a sweep)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-
-@dataclass(frozen=True)
-class Mutant:
-    module: str
-    name: str
-    file: str
-    find: str
-    replace: str
-    what: str
-    tests: tuple[str, ...]
-    equivalent: str = ""  # why the edit changes nothing a user can see (measured), if it does not
-
-
-PRIVACY = ("tests/test_privacy.py", "tests/test_secagg.py")
-FLEET = ("tests/test_fleet.py",)
-TRACKING = ("tests/test_tracking.py",)
-EXPORT = ("tests/test_export.py",)
-GGUF = ("tests/test_device_export.py", "-k", "gguf or q_and_k or qwen2")
-COHORT = ("tests/test_cohort.py",)
-FDLORA = ("tests/test_baselines.py", "-k", "fdlora")
-EXECUTORCH = ("tests/test_executorch_training.py", "-k", "run_whose or mixture_round or mixture_step")
-QUANT = ("tests/test_quant.py", "tests/test_quant_q4.py", "tests/test_fleet.py", "-k", "quant or q4 or int8 or nf4")
-
-
-def _m(module, name, file, find, replace, what, tests, equivalent=""):
-    return Mutant(module, name, file, find, replace, what, tuple(tests), equivalent)
+from mutant import (AMOLE_COHORT, COHORT, EXECUTORCH, EXPORT, FDLORA, FLEET, GGUF, PRIVACY, QUANT,  # noqa: F401
+                    TRACKING, Mutant, _m)
+from mutants_cohort import COHORT_MUTANTS
 
 
 MUTANTS = [
@@ -308,77 +283,6 @@ MUTANTS = [
        '        state.pop("lm_head.weight", None)', "        pass",
        "a tied LM head written twice", GGUF),
 
-    # -- the cohort engine (algorithms/cohort.py, models/cohort.py) ---------------------------------
-    _m("cohort", "adamw-decay-without-lr", "comix/algorithms/cohort_adamw.py",
-       "decay = (1 - self.lr * self.weight_decay).to(dtype)", "decay = (1 - self.weight_decay).to(dtype)",
-       "AdamW's decoupled decay not scaled by the learning rate", COHORT),
-    _m("cohort", "adamw-no-bias1", "comix/algorithms/cohort_adamw.py",
-       "step_size = (self.lr / (1 - b1 ** self.step_count)).to(dtype)", "step_size = (self.lr).to(dtype)",
-       "AdamW without its first bias correction", COHORT),
-    _m("cohort", "adamw-no-bias2", "comix/algorithms/cohort_adamw.py",
-       "bias2_sqrt = (1 - b2 ** self.step_count).sqrt().to(dtype)", "bias2_sqrt = torch.ones_like(self.lr).to(dtype)",
-       "AdamW without its second bias correction", COHORT),
-    _m("cohort", "adamw-beta1-swapped", "comix/algorithms/cohort_adamw.py", "m.lerp_(grads, 1 - b1)", "m.lerp_(grads, b1)",
-       "the first moment weighs the new gradient by beta1", COHORT),
-    _m("cohort", "adamw-step-not-resumed", "comix/algorithms/cohort_adamw.py",
-       '        self.steps[client] = int(float(st[0]["step"]))', "        self.steps[client] = 0",
-       "a client's saved step count lost when its moments load", COHORT),
-    _m("cohort", "adamw-all-load-slot-0", "comix/algorithms/cohort.py", "                opt.load(c, m.state.optimizers[key])",
-       "                opt.load(0, m.state.optimizers[key])", "every member's moments loaded into the first slot", COHORT),
-    _m("cohort", "clip-whole-cohort", "comix/algorithms/cohort_adamw.py",
-       "coef = (max_norm / (torch.linalg.vector_norm(grads, 2, dim=1) + 1e-6)).clamp(max=1.0)",
-       "coef = (max_norm / (torch.linalg.vector_norm(grads, 2) + 1e-6)).clamp(max=1.0).expand(grads.shape[0])",
-       "gradients clipped by the whole cohort's norm, not each client's", COHORT),
-    _m("cohort", "loss-mean-over-cohort", "comix/algorithms/cohort.py",
-       "return (ce.reshape(clients, -1) * targets).sum(1) / targets.sum(1)",
-       "return (ce.reshape(clients, -1) * targets).sum(1) / targets.sum() * clients",
-       "each client's CE divided by the cohort's mean target count", COHORT),
-    _m("cohort", "loss-ignores-mask", "comix/algorithms/cohort.py", "targets = (y != -100).reshape(clients, -1)",
-       "targets = torch.ones_like(y, dtype=torch.bool).reshape(clients, -1)",
-       "masked (-100) targets counted in each client's mean", COHORT),
-    _m("cohort", "router-schedule-inverted", "comix/algorithms/cohort.py",
-       "if routed and members[0].state.step % phase.every == 0:", "if routed and members[0].state.step % phase.every != 0:",
-       "router steps on the wrong local steps", COHORT),
-    _m("cohort", "router-lr-is-experts", "comix/algorithms/cohort.py",
-       "cohort_step(model, x, y, [p for _, p in routed], ropt, [phase.lr] * len(members), train,",
-       "cohort_step(model, x, y, [p for _, p in routed], ropt, lrs, train,",
-       "the router steps at the experts' learning rate", COHORT),
-    _m("cohort", "router-state-is-experts", "comix/algorithms/cohort.py",
-       "            _keep(ropt, members, phase.key, train)", '            _keep(ropt, members, "experts", train)',
-       "the router's AdamW state saved over the experts'", COHORT),
-    _m("cohort", "prox-reaches-private", "comix/algorithms/cohort.py",
-       "for n, p in named if algorithm.is_shared(n)] * (train.prox_mu > 0)", "for n, p in named] * (train.prox_mu > 0)",
-       "FedProx's term pulls private adapters too", COHORT + ("tests/test_aggregation.py", "-k", "cohort or prox")),
-    _m("cohort", "rng-not-kept", "comix/algorithms/cohort.py", "        m.state.rng = g.get_state()\n", "\n",
-       "a cohort member's batch generator restarts every round", COHORT),
-    _m("cohort", "pad-targets-a-token", "comix/algorithms/cohort.py",
-       "nn.functional.pad(y, (0, wide - y.shape[1]), value=-100)", "nn.functional.pad(y, (0, wide - y.shape[1]), value=0)",
-       "a cohort's padding on instruction batches is trained on as targets", COHORT),
-    _m("cohort", "balance-over-padding", "comix/algorithms/cohort.py",
-       "    own = None if widths is None else own_tokens(widths, x)\n", "    own = None\n",
-       "a mixture's load balance counts the positions a cohort padded on", COHORT),
-    _m("cohort", "dropout-one-generator", "comix/algorithms/cohort.py",
-       "manual_seed(turn_seed(m.run_seed, m.client, m.state.step))",
-       "manual_seed(turn_seed(m.run_seed, members[0].client, m.state.step))",
-       "every cohort member's LoRA dropout masks drawn from the first member's seed", COHORT),
-    _m("cohort", "dropout-cohort-shape", "comix/models/lora.py",
-       "mask[c * rows:(c + 1) * rows, :width] = own.bernoulli_(keep, generator=gen)",
-       "mask[c * rows:(c + 1) * rows, :width] = torch.empty_like(x[:rows]).bernoulli_(keep, generator=gen)[:, :width]",
-       "a client's dropout mask drawn at the cohort's width, not its own batch's", COHORT),
-    _m("cohort", "dropout-flat-tokens", "comix/models/lora.py",
-       "batch = x.view(self.rows, self.wide, *x.shape[1:])", "batch = x.view(-1, self.wide, x.shape[-1])",
-       "a mixture's per-slot dropout input read as rows of tokens: clients' masks land on others' tokens", COHORT),
-    _m("cohort", "tokens-counted-padded", "comix/algorithms/cohort.py",
-       "rows[m.client] += x.shape[0] // len(members) * width  #", "rows[m.client] += x.shape[0] // len(members) * x.shape[1]  #",
-       "a cohort member's training tokens count the padding", COHORT),
-    _m("cohort", "fused-adamw-strided-grad", "comix/algorithms/training.py", "        p.grad = g.contiguous()\n",
-       "        p.grad = g\n", "the fused AdamW steps with a transposed gradient read as its parameter's layout", COHORT),
-    _m("cohort", "unstack-first-client", "comix/models/cohort.py", "return [{n: t[c].clone() for n, t in cpu.items()}",
-       "return [{n: t[0].clone() for n, t in cpu.items()}", "every member gets the first client's adapters", COHORT),
-    _m("cohort", "load-stacked-first", "comix/models/cohort.py",
-       "params[name].copy_(torch.stack([a[name] for a in adapters]))",
-       "params[name].copy_(torch.stack([adapters[0][name] for a in adapters]))",
-       "every slot starts from the first member's adapters", COHORT),
     # -- the device's steps in ExecuTorch's training runtime (models/executorch_training.py) -------------
     _m("executorch", "stale-router", "comix/algorithms/training.py", "    program.load_from(model)\n",
        "    program.load(named)\n", "an expert step in the program computes with the router it was first given",
@@ -396,4 +300,4 @@ MUTANTS = [
     _m("executorch", "runtime-of-first-client", "comix/algorithms/training.py",
        "else self.client_runtime[client]", "else self.client_runtime[0]",
        "every device trains where the first one does", EXECUTORCH),
-]
+] + COHORT_MUTANTS

@@ -148,9 +148,11 @@ def test_a_cohort_under_dp_clips_and_noises_as_one_client_at_a_time(setup, tmp_p
     assert norms and max(norms) > dp["clip"]  # the clip was at work (the norm reported is before it)
 
 
-def test_a_cohort_killed_and_resumed_equals_an_uninterrupted_run(setup, tmp_path):
+def killed_and_resumed(algo, setup, tmp_path) -> tuple[dict, dict]:
+    """(the result of ``algo()`` run through in tmp_path/full, that of a run killed after round 2
+    and resumed in tmp_path/killed)."""
     model, users = setup
-    full = run_method(_algo("comigs-1g1s", 3, rounds=3), model, users, tmp_path / "full", seed=7)
+    full = run_method(algo(), model, users, tmp_path / "full", seed=7)
 
     class Killed(Exception):
         pass
@@ -160,9 +162,12 @@ def test_a_cohort_killed_and_resumed_equals_an_uninterrupted_run(setup, tmp_path
             raise Killed
 
     with pytest.raises(Killed):
-        run_method(_algo("comigs-1g1s", 3, rounds=3), model, users, tmp_path / "killed", seed=7,
-                   progress=kill_after_two)
-    resumed = run_method(_algo("comigs-1g1s", 3, rounds=3), model, users, tmp_path / "killed", seed=7, resume=True)
+        run_method(algo(), model, users, tmp_path / "killed", seed=7, progress=kill_after_two)
+    return full, run_method(algo(), model, users, tmp_path / "killed", seed=7, resume=True)
+
+
+def test_a_cohort_killed_and_resumed_equals_an_uninterrupted_run(setup, tmp_path):
+    full, resumed = killed_and_resumed(lambda: _algo("comigs-1g1s", 3, rounds=3), setup, tmp_path)
     assert resumed["per_user"] == full["per_user"]
 
     def rows(d):

@@ -12,14 +12,13 @@ import pytest
 import torch
 
 from comix.algorithms import make_algorithm
-from comix.engines import run_method
 from comix.engines.inprocess import ClientModels
 from comix.engines.server import TIMINGS
 from comix.models import LoRAConfig
 from comix.models.amole import AMoLELinear, amole_load_balance, layer_load_balance
 from comix.models.cohort import stack_clients
 from test_algorithms import setup  # noqa: F401 (the shared tiny fixture: 3 users a, b, c)
-from test_cohort import _algo, _assert_same, _run, _train, instruction_setup  # noqa: F401
+from test_cohort import _algo, _assert_same, _run, _train, instruction_setup, killed_and_resumed  # noqa: F401
 
 # slots = pool: 12 expert places over 3 clients, each holding 2..6, so their counts differ
 SMALL = dict(pool=6, slots=6)
@@ -64,21 +63,7 @@ def test_a_fedamole_instruction_cohort_trains_each_client_as_it_would_train_alon
 
 
 def test_a_fedamole_cohort_killed_and_resumed_equals_an_uninterrupted_run(setup, tmp_path):
-    model, users = setup
-
-    def algo():
-        return _algo("fedamole", 3, SMALL, rounds=3)
-    full = run_method(algo(), model, users, tmp_path / "full", seed=7)
-
-    class Killed(Exception):
-        pass
-
-    def kill_after_two(p):
-        if p["round"] == 2:
-            raise Killed
-    with pytest.raises(Killed):
-        run_method(algo(), model, users, tmp_path / "killed", seed=7, progress=kill_after_two)
-    resumed = run_method(algo(), model, users, tmp_path / "killed", seed=7, resume=True)
+    full, resumed = killed_and_resumed(lambda: _algo("fedamole", 3, SMALL, rounds=3), setup, tmp_path)
     assert resumed["per_user"] == full["per_user"]
 
     def rows(d, name):

@@ -665,3 +665,22 @@ def test_every_results_row_s_runs_follow_from_the_command_its_footnote_gives():
                 assert ran == {k: want[k] for k in ran}, (case, spec, seed)
                 checked += 1
     assert checked > 50
+
+
+def test_the_poisoned_uploads_table_reads_the_rules_only_where_training_gained_over_the_base():
+    """bench/poisoned.py's table: each rule's honest perplexity per attack, its difference from the
+    clean mean run over the seeds' pairs, and the headline reads the rules only when the clean run's
+    gain over the untrained base is resolved over the seeds (a gain inside noise makes no rule readable)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from bench_tables import poisoned_table
+    rules = ["mean", "median", "trimmed_mean", "krum", "server_clip"]
+    result = {"command": "python bench/poisoned.py", "clients": 10, "attackers": [0, 1], "seeds": [42, 45, 47],
+              "machine": "m", "date": "d", "torch": "t", "pretrained_honest_test_ppl": [22.0, 22.2, 21.9],
+              "honest_test_ppl": {"none": {r: [19.6, 19.8, 19.7] for r in rules},
+                                  "sign-flip": {r: [19.6, 19.8, 19.7] for r in rules}}}
+    result["honest_test_ppl"]["sign-flip"]["mean"] = [30.6, 31.8, 30.7]
+    text = poisoned_table(json.dumps(result))
+    assert "resolved over the seeds, so the rules can be read" in text
+    assert "| mean | 19.70 (19.60 / 19.80 / 19.70) | 31.03 (30.60 / 31.80 / 30.70); +11.33 [" in text
+    result["pretrained_honest_test_ppl"] = [19.0, 22.0, 19.9]  # the gain within the seeds' noise
+    assert "not resolved over the seeds: the rules cannot be read" in poisoned_table(json.dumps(result))
