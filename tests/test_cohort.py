@@ -553,8 +553,9 @@ def test_the_step_a_gpu_captures_takes_nothing_from_the_host(mlp, load_balance):
     opt.begin_step([1e-3, 2e-3])  # the host's part, run before each replay
     x = torch.randint(0, 200, (4, 12)).to("meta")
     host = _HostTensors()
-    with host.mode:
-        ce = _device_step(model, x, torch.roll(x, -1, 1), params, opt, train)
+    method = make_algorithm("comigs-1g1s" if mlp else "fedavg", LoRAConfig(r=4), train, 2)
+    with host.mode:  # with the method's forward_loss, as cohort_round hands it to the step
+        ce = _device_step(model, x, torch.roll(x, -1, 1), params, opt, train, forward_loss=method.forward_loss)
     assert ce.shape == (2,) and ce.device.type == "meta"
     assert host.hits == []
 

@@ -131,3 +131,20 @@ def test_the_fedamole_family_runs_in_cohorts_and_fdlora_on_its_tasks_says_why():
         algo = make_algorithm(m, LoRAConfig(r=4), _train(), 3, pool=6, slots=4)
         assert algo.cohort_refusal() is None, m
     assert "client_round" in make_algorithm("fdlora-fedamole", LoRAConfig(r=4), _train(), 3).cohort_refusal()
+
+
+def test_a_state_loaded_its_own_way_below_the_cohort_form_keeps_its_method_out_of_cohorts():
+    """A subclass that writes its own load_state (or save_state) under a parent's cohort form would
+    load a cohort the parent's way: it is refused, naming the step, until it writes the cohort form too."""
+    from comix.algorithms.fedamole import FedAMoLE
+
+    class OwnLoad(FedAMoLE):
+        def load_state(self, model, adapters):
+            return super().load_state(model, adapters)
+
+    class OwnSave(FedAMoLE):
+        def save_state(self, model, state):
+            return super().save_state(model, state)
+    for cls, step in ((OwnLoad, "load_state"), (OwnSave, "save_state")):
+        algo = cls(LoRAConfig(r=4), _train(), 3, pool=6, slots=4)
+        assert step in algo.cohort_refusal()

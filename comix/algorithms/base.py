@@ -317,8 +317,9 @@ class Algorithm(Refusals):
     def forward_loss(self, model: nn.Module, own: torch.Tensor | None = None) -> torch.Tensor:
         """A term of the local loss that the model's last forward defines besides the CE and
         ``train.load_balance`` (FedAMoLE's eq. 19-20), both executors alike: a scalar, or in a
-        cohort one per client (``own``: each client's own tokens, where the cohort padded); 0 here."""
-        return torch.zeros(())
+        cohort one per client (``own``: each client's own tokens, where the cohort padded); 0 here, on
+        the model's device (a cohort's captured step takes no tensor made on the host)."""
+        return torch.zeros((), device=next(model.parameters()).device)
 
     def local_training(self, ctx: ClientContext, state: ClientState, gen: torch.Generator) -> list[float]:
         """``local_steps`` expert iterations with AdamW; returns the training losses."""

@@ -226,7 +226,7 @@ class FedAMoLE(Algorithm):
         per client, over its own tokens and experts (``layer_load_balance``)."""
         terms = [layer_load_balance(m, own) for m in mixtures(model)
                  if isinstance(m, AMoLELinear) and m.last_routing is not None]
-        return self.beta * torch.stack(terms).sum(0) if terms else torch.zeros(())
+        return self.beta * torch.stack(terms).sum(0) if terms else super().forward_loss(model, own)
 
     def embeddings(self, ctx: ClientContext) -> Tensors:
         """Eq. 23 and 25 on the embedding set: per module the mean token embedding and the mean

@@ -66,11 +66,16 @@ class Refusals:
             return "it trains one pooled model or none: there is no cohort of clients"
         if self.device_spec(0) is not None:
             return "each device trains its own model, not adapters over the one shared base"
-        mine = lambda name: getattr(type(self), name) is not getattr(_contract(type(self)), name)  # noqa: E731
-        # a state loaded or saved its own way runs in a cohort where the method says how for a cohort too
+        cls = type(self)
+        mine = lambda name: getattr(cls, name) is not getattr(_contract(cls), name)  # noqa: E731
+        # the class of cls's line that writes ``name`` (its index in the MRO: lower is more derived)
+        where = lambda name: next(i for i, k in enumerate(cls.__mro__) if name in k.__dict__)  # noqa: E731
+        # a state loaded or saved its own way runs in a cohort where the same class (or a later one)
+        # says how for a cohort too
+        cohort_form = {"load_state": "load_cohort", "save_state": "cohort_adapters"}
         own = [name for name in ("client_round", "local_training", "regularizer", "after_expert_step", "load_state",
                                  "save_state", "personal_adapters", "scoring") if mine(name)
-               and not (name == "load_state" and mine("load_cohort") or name == "save_state" and mine("cohort_adapters"))]
+               and not (name in cohort_form and where(cohort_form[name]) <= where(name))]
         if own:
             return f"it writes its own {', '.join(own)}: that client step runs as written, one client at a time"
         for c in range(self.n_clients):

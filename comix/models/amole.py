@@ -188,6 +188,7 @@ class AMoLELinear(MixtureOfLoRA):
         return client_linear(z.reshape(-1, n * r), b_cat) * self.scaling
 
     def _naive(self, xd: torch.Tensor, routing: Routing) -> torch.Tensor:
+        assert self.held is None, "the per-expert reference computes one client's layer, not a cohort's"
         a, b = self._active()
         out = 0
         for j in range(a.shape[0]):
