@@ -183,13 +183,16 @@ def poisoned_table(text: str) -> str:
     table, seeds = r["honest_test_ppl"], r["seeds"]
     clean = table["none"]["mean"]
 
+    def num(x, sign=""):  # a diverged model's perplexity in powers of ten
+        return f"{x:{sign}.3g}" if abs(x) >= 1e5 else f"{x:{sign}.2f}"
+
     def cell(xs):
-        per = " / ".join(f"{x:.2f}" for x in xs)
-        return f"{statistics.fmean(xs):.2f} ({per})" if len(xs) > 1 else per
+        per = " / ".join(num(x) for x in xs)
+        return f"{num(statistics.fmean(xs))} ({per})" if len(xs) > 1 else per
 
     def diff(xs):
         mean, half = paired_interval([x - c for x, c in zip(xs, clean)])
-        return f"{mean:+.2f}" if half != half else f"{mean:+.2f} [{mean - half:+.2f}, {mean + half:+.2f}]"
+        return num(mean, "+") if half != half else f"{num(mean, '+')} [{num(mean - half, '+')}, {num(mean + half, '+')}]"
     gain, half = paired_interval([u - c for u, c in zip(r["pretrained_honest_test_ppl"], clean)])
     resolved = half == half and gain - half > 0
     head = (f"`{r['command'].strip()}`: {r['clients']} clients, clients {', '.join(map(str, r['attackers']))} attack "
@@ -197,6 +200,7 @@ def poisoned_table(text: str) -> str:
             f"The untrained base scores {cell(r['pretrained_honest_test_ppl'])} on the honest clients, the clean "
             f"mean run {cell(clean)}: a gain of {gain:.2f}" + ("" if half != half else f" [{gain - half:.2f}, {gain + half:.2f}]")
             + (", resolved over the seeds, so the rules can be read." if resolved else
+               " on one seed: directions only, no difference resolved." if half != half else
                ", not resolved over the seeds: the rules cannot be read at this scale yet."))
     attacks = list(table)
     rows = [f"| {rule} | " + " | ".join(cell(table[a][rule]) + ("" if a == "none" and rule == "mean" else
