@@ -134,14 +134,19 @@ class FedAMoLE(Algorithm):
 
     def save_state(self, model: nn.Module, state: ClientState) -> ClientState:
         """Slot tensors go back under the global ids of the experts in the slots."""
-        tensors = adapter_tensors(model)
-        out = {n: t for n, t in tensors.items() if not n.endswith((".expert_A", ".expert_B"))}
-        for name, module in amole_modules(model).items():
-            for slot, gid in enumerate(module.slot_ids[:module.n_active].tolist()):
-                out[expert_name(name, gid, "A")] = tensors[name + ".expert_A"][slot].clone()
-                out[expert_name(name, gid, "B")] = tensors[name + ".expert_B"][slot].clone()
-        state.adapters = out
+        ids = {name: m.slot_ids[:m.n_active].tolist() for name, m in amole_modules(model).items()}
+        state.adapters = self._by_id(adapter_tensors(model), ids)
         return state
+
+    @staticmethod
+    def _by_id(tensors: Tensors, ids: dict[str, list[int]]) -> Tensors:
+        """The model's tensors as a state names them: each module's slot s under the global id ids[module][s]."""
+        out = {n: t for n, t in tensors.items() if not n.endswith((".expert_A", ".expert_B"))}
+        for name, held in ids.items():
+            for slot, gid in enumerate(held):
+                for ab in "AB":
+                    out[expert_name(name, gid, ab)] = tensors[f"{name}.expert_{ab}"][slot].clone()
+        return out
 
     def _slots(self, model: nn.Module, adapters: Tensors) -> tuple[Tensors, dict[str, list[int]]]:
         """A client's adapters as the model names them (its held experts in the first slots by
@@ -181,15 +186,8 @@ class FedAMoLE(Algorithm):
     def cohort_adapters(self, model: nn.Module, names: list[str]) -> list[Tensors]:
         """``save_state`` of each client of a cohort: its slots back under the ids of its experts."""
         modules = amole_modules(model)
-        out = []
-        for c, tensors in enumerate(unstack(model, names)):
-            state = {n: t for n, t in tensors.items() if not n.endswith((".expert_A", ".expert_B"))}
-            for name, module in modules.items():
-                for slot, gid in enumerate(module.slot_ids[c, :module.experts_of(c)].tolist()):
-                    for ab in "AB":
-                        state[expert_name(name, gid, ab)] = tensors[f"{name}.expert_{ab}"][slot].clone()
-            out.append(state)
-        return out
+        return [self._by_id(tensors, {name: m.slot_ids[c, :m.experts_of(c)].tolist() for name, m in modules.items()})
+                for c, tensors in enumerate(unstack(model, names))]
 
     # -- client ------------------------------------------------------------------------------------
     def apply_payload(self, state: ClientState, payload: Tensors) -> ClientState:
