@@ -18,6 +18,8 @@ TensorBoard's events are purged from the resumed round on instead (``purge_step`
 
 Tags (step = round): ``train/loss``, ``train/update_norm``, ``eval/<split>_<metric>`` (perplexity,
 accuracy, Rouge-L), ``gates/expert_<e>`` (the mean gate of expert e over layers, mixtures),
+``gates/entropy`` (the mean per-token gate entropy over layers), ``router/valid_loss`` (the CE
+CoMiGS's router steps read, ``router/train_loss`` for its ``-tr`` ablation),
 ``traffic/bytes_up`` / ``traffic/bytes_down`` and ``privacy/epsilon``. Each needs its package:
 ``pip install -e ".[tensorboard]"``, ``".[mlflow]"`` (mlflow-skinny), ``".[wandb]"``.
 """
@@ -26,7 +28,8 @@ from __future__ import annotations
 from pathlib import Path
 
 TAGS = {"train_loss": "train/loss", "update_norm": "train/update_norm", "bytes_up": "traffic/bytes_up",
-        "bytes_down": "traffic/bytes_down", "epsilon": "privacy/epsilon"}
+        "bytes_down": "traffic/bytes_down", "epsilon": "privacy/epsilon", "router_valid_loss": "router/valid_loss",
+        "router_train_loss": "router/train_loss"}
 
 
 def check_tensorboard() -> None:
@@ -53,6 +56,8 @@ def scalars(row: dict) -> dict[str, float]:
     for e in range(max((len(layer) for layer in row.get("gates", [])), default=0)):
         mean = [layer[e] for layer in row["gates"] if len(layer) > e]
         out[f"gates/expert_{e}"] = sum(mean) / len(mean)
+    if row.get("gate_entropy"):
+        out["gates/entropy"] = sum(row["gate_entropy"]) / len(row["gate_entropy"])
     return out
 
 

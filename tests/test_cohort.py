@@ -60,7 +60,8 @@ def _close(a: torch.Tensor, b: torch.Tensor, rel: float = 1e-5) -> bool:
 
 def _training_rows(out):
     """Each (round, user)'s training metrics and scores of a run that the two executors must agree on."""
-    keys = ("train_loss", "update_norm", "tokens", "bytes_up", "sampled", "test_ppl", "valid_ppl")
+    keys = ("train_loss", "update_norm", "tokens", "bytes_up", "sampled", "test_ppl", "valid_ppl",
+            "router_valid_loss", "router_train_loss")
     return {(r["round"], r["user"]): {k: r[k] for k in keys if k in r}
             for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
 
@@ -84,6 +85,8 @@ def _assert_same(a, b, rel: float = 1e-5):
             assert [len(g) for g in rb["per_user"][user]["gates"]] == [len(g) for g in metrics["gates"]]
             for got, want in zip(rb["per_user"][user]["gates"], metrics["gates"]):
                 assert torch.allclose(torch.tensor(got), torch.tensor(want), atol=2e-4)
+            assert torch.allclose(torch.tensor(rb["per_user"][user]["gate_entropy"]),
+                                  torch.tensor(metrics["gate_entropy"]), atol=2e-4)
     assert len(ua) == len(ub)
     for round_a, round_b in zip(ua, ub):
         assert round_a.keys() == round_b.keys()
@@ -121,6 +124,9 @@ def test_a_cohort_trains_each_client_as_it_would_train_alone(setup, tmp_path, me
     _assert_same(seq, together)
     rows = [json.loads(ln) for ln in (together[3] / "metrics.jsonl").read_text().splitlines()]
     assert {r.get("cohort") for r in rows if "train_loss" in r} == {3}  # it did run as one cohort
+    if method.startswith("comigs"):  # its router steps' CE is a round metric of both executors
+        key = "router_train_loss" if method.endswith("-tr") else "router_valid_loss"
+        assert all(key in r for r in _training_rows(seq[3]).values())
 
 
 def test_cohorts_of_unequal_sizes_and_mixtures_of_other_sizes_with_clipping(setup, tmp_path):

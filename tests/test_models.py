@@ -174,6 +174,19 @@ def test_routing_stats():
     for s in stats:
         assert s["mean_gate"].shape == (4,) and s["mean_gate"].sum().item() == pytest.approx(1.0, abs=1e-5)
         assert s["top1"].shape == (2, 9) and s["top1"].max() < 4
+        # the mean of each token's own entropy (not the entropy of the mean gate): top-2 of 4, so
+        # between 0 and log 2, and below the mean gate's entropy over 4 unless every token mixes alike
+        assert 0 < float(s["entropy"]) <= math.log(2) + 1e-6
+        mean = s["mean_gate"]
+        assert float(s["entropy"]) < float(-(mean * mean.log()).sum())
+
+
+def test_gate_entropy_is_each_token_s_entropy_averaged_per_client():
+    from comix.models.mixture import gate_entropy
+    even, sure = torch.full((3, 2), 0.5), torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0]])
+    assert float(gate_entropy(even)) == pytest.approx(math.log(2))
+    assert float(gate_entropy(sure)) == 0.0  # one expert a token, though the mean gate is mixed
+    assert gate_entropy(torch.stack([even, sure])).tolist() == pytest.approx([math.log(2), 0.0])
 
 
 def test_hf_local_directory_and_unknown_spec(tmp_path):

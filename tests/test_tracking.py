@@ -33,6 +33,10 @@ def test_event_files_per_method_and_user_hold_the_metrics_rows(tmp_path):
             if method == "comigs-1g1s":  # the mean gate over layers, per expert
                 want = {k: sum(layer[1] for layer in r["gates"]) / len(r["gates"]) for k, r in mine.items()}
                 assert got["gates/expert_1"] == pytest.approx(want, rel=1e-6)
+                want = {k: sum(r["gate_entropy"]) / len(r["gate_entropy"]) for k, r in mine.items()}
+                assert got["gates/entropy"] == pytest.approx(want, rel=1e-6)
+                assert got["router/valid_loss"] == pytest.approx({k: r["router_valid_loss"] for k, r in mine.items()},
+                                                                 rel=1e-6)
             else:
                 assert got["privacy/epsilon"] == pytest.approx({k: r["epsilon"] for k, r in mine.items()}, rel=1e-6)
 

@@ -9,8 +9,9 @@ An algorithm says
   * ``server_round(server_state, uploads) -> (server_state, payloads)``: one payload per client.
 Engines (in-process, Flower) only move states, uploads and payloads around.
 
-This module holds the contract: what the engine hands a client and the server, and the
-``Algorithm`` base class (plain LoRA clients, FedAvg's uniform mean as the server step, Alg. 1's).
+This module holds the contract's ``Algorithm`` base class (plain LoRA clients, FedAvg's uniform
+mean as the server step, Alg. 1's); what the engine hands a client and the server is in
+``contexts.py``.
 A client's private state (``ClientState``) and the local training it runs by default live in
 ``training.py``.
 """
@@ -18,51 +19,24 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..aggregation import ServerConfig, ServerOptimizer, combine
-from ..data import UserData, sample_batch
+from ..data import sample_batch
 from ..models import AdapterConfig, LoRAConfig
 from ..models.cohort import load_stacked, unstack
 from ..privacy import PrivacyConfig
-from ..runtime import Runtime
 from .fedprox import proximal_anchor, proximal_term
 from .scaffold import (apply_correction, begin_control_round, control_correction, control_delta_sum,
                        end_control_round, is_control, server_controls, split_controls, with_controls, zero_controls)
+from .contexts import ClientContext, ServerContext, turn_metrics  # (ClientContext, ServerContext: re-exported)
 from .refusals import Refusals
 from .training import (ClientState, InterleavedSteps, Tensors, TrainConfig, adapter_tensors, average,
                        batch_generator, executorch_step, expert_lr, expert_params, keep_optimizer, load_adapters,
                        make_optimizer, mean_of_sums, model_load_balance, train_step)
-
-
-@dataclass
-class ClientContext:
-    """What the engine hands a client for its turn: the model with this client's architecture
-    (frozen base shared by all clients, on the run's device), its private data, the run's
-    training config and where/in which precision it computes (``Runtime``)."""
-    client: int
-    model: nn.Module
-    data: UserData | list[UserData]
-    train: TrainConfig
-    runtime: Runtime = field(default_factory=Runtime)
-
-
-@dataclass
-class ServerContext:
-    """What an algorithm's server may use besides the uploads, handed to every algorithm before a
-    run (``Algorithm.server``): the run's base model (on the run's device), the server's own
-    data (``data.splits.ServerData``: public and test streams; None unless the config asks for
-    it), the runtime, the method's output folder and the seed. Most methods ignore it; DeepFusion
-    distils into copies of the base on the public data and scores its global model on the test."""
-    base: nn.Module | None
-    data: Any = None
-    runtime: Runtime = field(default_factory=Runtime)
-    out_dir: Any = None
-    seed: int = 0
 
 
 class Algorithm(Refusals):
@@ -276,7 +250,7 @@ class Algorithm(Refusals):
         state.rng = gen.get_state()
         extra, metrics = self.after_training(ctx, state)
         return state, {**self.round_upload(state, payload), **extra}, \
-            {"train_loss": sum(losses) / max(1, len(losses)), **metrics}
+            {"train_loss": sum(losses) / max(1, len(losses)), **turn_metrics(ctx), **metrics}
 
     def after_training(self, ctx: ClientContext, state: ClientState) -> tuple[Tensors, dict]:
         """What a client computes with its trained model (in ``ctx.model``) after its local steps,
@@ -370,10 +344,11 @@ class Algorithm(Refusals):
         for _ in range(phase.steps):
             x, y = self.interleaved_batch(ctx, phase, gen)
             if self.train.runtime_of(ctx.client) == "executorch":  # the router step in the device runtime too
-                executorch_step(ctx.model, x, y, named, opt, self.train.grad_clip, load_balance, settings)
+                ce = executorch_step(ctx.model, x, y, named, opt, self.train.grad_clip, load_balance, settings)
             else:
-                train_step(ctx.model, x, y, [p for _, p in named], opt, self.train.grad_clip, scaler,
-                           ctx.runtime.micro_batches_of(ctx.client), load_balance)
+                ce = train_step(ctx.model, x, y, [p for _, p in named], opt, self.train.grad_clip, scaler,
+                                ctx.runtime.micro_batches_of(ctx.client), load_balance)
+            ctx.log.setdefault(phase.metric, []).append(ce)
         keep_optimizer(state, phase.key, opt, self.train)
 
     def _load_balance(self, ctx: ClientContext):

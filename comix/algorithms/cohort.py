@@ -38,6 +38,7 @@ from ..runtime import to_cpu
 from .scaffold import add_control_rate, begin_control_round, cohort_correction
 from .cohort_adamw import CohortAdamW, CohortMasters, clip_per_client
 from .fedprox import proximal_term
+from .contexts import turn_metrics
 from .training import ClientState, TrainConfig, batch_generator, expert_lr, model_load_balance, turn_seed
 
 log = logging.getLogger(__name__)
@@ -252,10 +253,11 @@ def _lockstep(algorithm, model, members, gens, contexts, step: CohortStep, route
             for _ in range(phase.steps):
                 x, y, draws.widths = _batches(lambda ctx, g: algorithm.interleaved_batch(ctx, phase, g), gens, contexts)
                 draws.rows, draws.wide = x.shape
-                cohort_step(model, x, y, [p for _, p in routed], ropt, [phase.lr] * len(members), train,
-                            widths=draws.widths)
-                for m, width in zip(members, draws.widths):
+                ce = cohort_step(model, x, y, [p for _, p in routed], ropt, [phase.lr] * len(members), train,
+                                 widths=draws.widths)
+                for m, ctx, width, c in zip(members, contexts, draws.widths, ce):
                     rows[m.client] += x.shape[0] // len(members) * width
+                    ctx.log.setdefault(phase.metric, []).append(c)
             _keep(ropt, members, phase.key, train)
     _keep(step.opt, members, "experts", train)
     return losses, rows
@@ -324,5 +326,6 @@ def cohort_round(algorithm, model: nn.Module, members: list[CohortMember], conte
         algorithm.load_state(single, adapters)
         extra, metrics = algorithm.after_training(dataclasses.replace(ctx, model=single), m.state)
         out.append((m.state, {**algorithm.round_upload(m.state, m.payload), **extra},
-                    {"train_loss": sum(client_losses) / max(1, len(client_losses)), "tokens": rows[m.client], **metrics}))
+                    {"train_loss": sum(client_losses) / max(1, len(client_losses)), "tokens": rows[m.client],
+                     **turn_metrics(ctx), **metrics}))
     return out

@@ -393,3 +393,7 @@ class InterleavedSteps:
     split: str
     lr: float
     params: Callable[[nn.Module], list[tuple[str, nn.Parameter]]]
+
+    @property
+    def metric(self) -> str:  # the round's metric of these steps' CE (router_valid_loss: eq. 8's CE)
+        return f"{self.key}_{self.split}_loss"

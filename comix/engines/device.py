@@ -31,6 +31,7 @@ from ..models.amole import AMoLELinear
 from ..models.lease import LeaseLinear
 from ..models.quant import base_bytes
 from ..models.lora import LoRALinear, LoRAWeights
+from ..models.mixture import gate_entropy
 from ..privacy import clip_upload
 from .footprint import Footprint
 from .states import StateStore
@@ -92,7 +93,8 @@ def evaluate(model: nn.Module, user: UserData, train, runtime: Runtime = Runtime
     responses); for classification the test accuracy (%) and how often each label was
     predicted, for generation the test Rouge-L (%) of
     greedy answers of at most ``train.max_new_tokens`` (FedAMoLE Sec. V-A-2); mixtures add their
-    mean gate per layer and expert on one validation batch."""
+    mean gate per layer and expert and each layer's mean gate entropy (nats) on one validation
+    batch."""
     seq_len, batch_size = train.seq_len, train.eval_batch_size
     out = {}
     was_training = model.training
@@ -128,13 +130,15 @@ def evaluate(model: nn.Module, user: UserData, train, runtime: Runtime = Runtime
             model.eval()
             model(input_ids=batch.to(runtime.device))
         out["gates"] = [[round(v, 4) for v in s["mean_gate"].tolist()] for s in routing_stats(model)]
+        out["gate_entropy"] = [round(float(s["entropy"]), 4) for s in routing_stats(model)]
         set_record_stats(model, False)
     return out
 
 
 def evaluate_cohort(model: nn.Module, users: list[UserData], train, runtime: Runtime = Runtime()) -> list[dict] | None:
     """``evaluate`` of each client of a cohort model at once (LM data: each split's perplexity, and
-    a mixture's mean gate per layer and expert on its own validation batch), or None when this
+    a mixture's mean gate per layer and expert and gate entropy per layer on its own validation
+    batch), or None when this
     data is not for it (instruction tasks): then the clients are evaluated one at a time."""
     if any(u.task != "lm" for u in users):
         return None
@@ -159,8 +163,9 @@ def evaluate_cohort(model: nn.Module, users: list[UserData], train, runtime: Run
                 gates = [m.last_routing.dense_gates(m.n_experts).float().reshape(len(users), most * seq_len, -1)
                          for m in mixtures(model)]
             for c, (o, r) in enumerate(zip(out, rows)):  # each client's own experts' gates (FedAMoLE: its held slots)
-                o["gates"] = [[round(v, 4) for v in g[c, :r * seq_len, :m.experts_of(c)].mean(0).tolist()]
-                              for g, m in zip(gates, mixtures(model))]
+                own = [g[c, :r * seq_len, :m.experts_of(c)] for g, m in zip(gates, mixtures(model))]
+                o["gates"] = [[round(v, 4) for v in g.mean(0).tolist()] for g in own]
+                o["gate_entropy"] = [round(float(gate_entropy(g)), 4) for g in own]
     finally:
         model.train(was_training)
     return out

@@ -330,7 +330,8 @@ def serve(algorithm: Algorithm, transport: Transport, users: list[str], out_dir:
                             algorithm.dp_refusal(), algorithm.dp_exempt)
     atomic_write(out_dir / "privacy.md", lambda p: Path(p).write_text(record))
     last = [r for r in map(json.loads, metrics_path.read_text().splitlines()) if r["round"] == train.rounds]
-    per_user = {r["user"]: {k: v for k, v in r.items() if k.startswith(("valid_", "test_")) or k == "gates"}
+    per_user = {r["user"]: {k: v for k, v in r.items()
+                            if k.startswith(("valid_", "test_")) or k in ("gates", "gate_entropy")}
                 for r in last if task_score(r)}
     server_scored = [r["user"] for r in last if r.get("evaluated_by") == "server"]
     eps = epsilon_after(algorithm.privacy, train.rounds, n_clients, train)

@@ -72,6 +72,13 @@ class Routing:
                            device=self.topk_weight.device).scatter(1, self.topk_index, self.topk_weight)
 
 
+def gate_entropy(gates: torch.Tensor) -> torch.Tensor:
+    """Mean over tokens of each token's gate entropy in nats (``gates``: (..., tokens, experts), each
+    row summing to 1 over the experts it mixes): 0 when every token takes one expert, log k at
+    an even mix of k; how sharply a router has learnt to choose (CoMiGS Fig. 4 reads the gates)."""
+    return -(gates * gates.clamp_min(1e-12).log()).sum(-1).mean(-1)
+
+
 class MixtureOfLoRA(nn.Module):
     """Router + top-k selection + routing statistics; subclasses compute the experts."""
 
@@ -117,8 +124,9 @@ class MixtureOfLoRA(nn.Module):
                 gates = routing.dense_gates(self.n_experts).float()
                 # a cohort (models/cohort.py): one mean gate per client, over its own tokens
                 clients = self.clients
-                mean = gates.reshape(clients, -1, self.n_experts).mean(1) if clients > 1 else gates.mean(0)
-                self.stats = {"mean_gate": mean, "top1": routing.topk_index[:, 0].reshape(shape[:-1]).clone()}
+                own = gates.reshape(clients, -1, self.n_experts) if clients > 1 else gates
+                self.stats = {"mean_gate": own.mean(-2), "entropy": gate_entropy(own),
+                              "top1": routing.topk_index[:, 0].reshape(shape[:-1]).clone()}
         return self._experts_forward(x, routing).reshape(*shape[:-1], -1)
 
     def _experts_forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
