@@ -211,6 +211,50 @@ def poisoned_table(text: str) -> str:
         "|---|" + "---|" * len(attacks), *rows])
 
 
+def language_shift_scale_table(text: str) -> str:
+    """bench/language_shift_scale.py's file: per scale (k x the small schedule's expert iterations)
+    Local's and CoMiGS-1G1S's mean test perplexity, CoMiGS's lead over Local with its 95 % t interval
+    over seeds, and the router's own signals. A scale is read only where both models' gains over the
+    untrained base are resolved (the results page's rule); one seed reads in direction only."""
+    from cases import paired_interval
+    r = json.loads(text)
+
+    def cell(xs):
+        return f"{statistics.fmean(xs):.2f} ({' / '.join(f'{x:.2f}' for x in xs)})" if len(xs) > 1 else f"{xs[0]:.2f}"
+
+    def verdict(base, ppl, mean, half):
+        if base is None:
+            return "a rehearsal: no base to read against"
+        gains = [paired_interval([b - p for b, p in zip(base, ppl[m])]) for m in ppl]
+        if any(h != h for _, h in gains):
+            return "one seed: direction only"
+        if any(g - h <= 0 for g, h in gains):
+            return "not testable (a model's gain over the untrained base is not resolved)"
+        if abs(mean) <= half:
+            return "unresolved"
+        return "CoMiGS-1G1S ahead" if mean > 0 else "Local ahead"
+    rows = ["| scale | rounds x local steps | seeds | untrained base | Local test ppl (per seed) | CoMiGS-1G1S test ppl (per seed) | "
+            "CoMiGS-1G1S's lead over Local [95 % t] | reading | router valid CE, first -> last round | "
+            "gate entropy per layer, first / mid / last (nats; even mix 0.693) | generalist's share |",
+            "|---|---|---|---:|---:|---:|---:|---|---:|---:|---:|"]
+    for name, x in r["scales"].items():
+        lead = x["comigs_lead_over_local"]
+        mean, half = lead["mean"], lead["half_width_95"]
+        ci = f"{mean:+.2f}" if half != half else f"{mean:+.2f} [{mean - half:+.2f}, {mean + half:+.2f}]"
+        ent, loss = x["gate_entropy"], x["router_valid_loss"]
+        base = x["pretrained_test_ppl"]
+        rows.append(f"| {name} | {' x '.join(map(str, x['rounds_x_local_steps']))} | {' / '.join(map(str, x['seeds']))} | "
+                    f"{'-' if base is None else cell(base)} | {cell(x['test_ppl']['local'])} | "
+                    f"{cell(x['test_ppl']['comigs-1g1s'])} | {ci} | {verdict(base, x['test_ppl'], mean, half)} | "
+                    f"{loss[0]:.3f} -> {loss[-1]:.3f} | {ent[0]:.3f} / {ent[len(ent) // 2]:.3f} / {ent[-1]:.3f} | "
+                    f"{x['generalist_share']:.3f} |")
+    case = r.get("x1_against_case")
+    head = (f"`{r['command'].strip()}` on `{r['setting']}`: seeds {' / '.join(map(str, r['seeds']))}; {r['machine']}, "
+            f"{r['date']}." + ("" if not case else " x1 against the committed case's own runs (ours / theirs - 1): "
+               + ", ".join(f"{k} {v:+.2%}" for k, v in case.items()) + "."))
+    return "\n".join([head, "", *rows])
+
+
 def large_upload_table(text: str) -> str:
     """bench/large_upload.py's result file: one device upload over 2 GB through a TLS + authenticated
     loopback deployment, whether it arrived bit for bit, its time and each process's peak memory."""
@@ -282,6 +326,6 @@ def mutation_sweep_table(text: str) -> str:
                               "its module's tests with `-x` on a clean tree, the file restored after.")
 
 
-BENCH_FILES = {"poisoned.json": poisoned_table, "mutation-sweep.json": mutation_sweep_table, "eval-clients.json": eval_clients_table, "main-job-profile.json": main_job_profile_table, "soak.json": soak_table, "large-upload.json": large_upload_table, "device-export.json": device_export_table, "cohort-cpu-fp32.json": cohort_table, "layer-speed.md": layer_speed_table, "layer-speed-full.md": layer_speed_table,  # written by a bench
+BENCH_FILES = {"poisoned.json": poisoned_table, "language-shift-scale.json": language_shift_scale_table, "mutation-sweep.json": mutation_sweep_table, "eval-clients.json": eval_clients_table, "main-job-profile.json": main_job_profile_table, "soak.json": soak_table, "large-upload.json": large_upload_table, "device-export.json": device_export_table, "cohort-cpu-fp32.json": cohort_table, "layer-speed.md": layer_speed_table, "layer-speed-full.md": layer_speed_table,  # written by a bench
                "layer-speed-h200-bf16.md": layer_speed_table,
                "vaa-attribution.json": vaa_attribution_table, "vaa-attribution-long.json": vaa_attribution_table}

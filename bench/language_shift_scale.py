@@ -81,17 +81,22 @@ def signals(folder: Path) -> dict:
             "generalist_share": statistics.fmean(statistics.fmean(g[0] for g in u["gates"]) for u in users)}
 
 
-def summarise(scales: list[int], seeds: list[int], folder) -> dict:
-    """Per scale: each method's mean test perplexity per seed, the lead with its interval, and the
-    router's signals averaged over seeds. ``folder(scale, seed, method)``: that run's folder."""
+def summarise(scales: list[int], seeds: list[int], folder, pretrained: dict | None) -> dict:
+    """Per scale, over the seeds whose two runs finished: each method's mean test perplexity per
+    seed, the untrained base's, the lead with its interval, and the router's signals averaged over
+    seeds. ``folder(scale, seed, method)``: that run's folder; ``pretrained``: {seed: base ppl}."""
     out = {}
     for scale in scales:
-        ppl = {m: [json.loads((folder(scale, s, m) / "results.json").read_text())["mean_test_ppl"] for s in seeds]
+        done = [s for s in seeds if all((folder(scale, s, m) / "results.json").exists() for m in METHODS)]
+        if not done:
+            continue
+        ppl = {m: [json.loads((folder(scale, s, m) / "results.json").read_text())["mean_test_ppl"] for s in done]
                for m in METHODS}
         lead, half = paired_interval([a - b for a, b in zip(ppl["local"], ppl["comigs-1g1s"])])
-        sig = [signals(folder(scale, s, "comigs-1g1s")) for s in seeds]
+        sig = [signals(folder(scale, s, "comigs-1g1s")) for s in done]
         out[f"x{scale}"] = {
-            "rounds_x_local_steps": list(SCHEDULES[scale]), "test_ppl": ppl,
+            "rounds_x_local_steps": list(SCHEDULES[scale]), "seeds": done, "test_ppl": ppl,
+            "pretrained_test_ppl": None if pretrained is None else [pretrained[s] for s in done],
             "comigs_lead_over_local": {"mean": lead, "half_width_95": half},
             "router_valid_loss": [statistics.fmean(v) for v in zip(*(s["router_valid_loss"] for s in sig))],
             "gate_entropy": [statistics.fmean(v) for v in zip(*(s["gate_entropy"] for s in sig))],
@@ -113,19 +118,21 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[42, 45, 47])
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "language-shift-scale")
     ap.add_argument("--result", type=Path, default=ROOT / "bench" / "results" / "language-shift-scale.json")
+    ap.add_argument("--no-run", action="store_true",
+                    help="read back the finished runs only (a bench cut short: each scale over the seeds it finished)")
     ap.add_argument("overrides", nargs="*", help="key=value for every run (a rehearsal: model=tiny-llama ...)")
     args = ap.parse_args()
-    for scale in args.scales:  # every seed of a scale before the next scale: a cut-short bench has whole rows
+    for scale in [] if args.no_run else args.scales:  # every seed of a scale before the next scale
         for seed in args.seeds:
             run(scale, seed, args.work, CASE / "config.yaml", args.overrides)
     folder = lambda scale, seed, m: args.work / f"x{scale}-seed{seed}" / f"seed{seed}" / m  # noqa: E731
     # the untrained base's score does not depend on the schedule: the committed case's runs (the same data)
     pretrained = None if args.overrides else \
-        [json.loads((CASE / f"seed{s}" / "pretrained" / "results.json").read_text())["mean_test_ppl"] for s in args.seeds]
+        {s: json.loads((CASE / f"seed{s}" / "pretrained" / "results.json").read_text())["mean_test_ppl"] for s in args.seeds}
+    scales = summarise(args.scales, args.seeds, folder, pretrained)
     fig = {"setting": str(CASE.relative_to(ROOT) / "config.yaml"), "methods": list(METHODS), "seeds": args.seeds,
-           "pretrained_test_ppl": pretrained, "scales": summarise(args.scales, args.seeds, folder),
-           "x1_against_case": reproduces_case(args.work, args.seeds) if 1 in args.scales and not args.overrides
-           else None, "overrides": args.overrides,
+           "scales": scales, "x1_against_case": reproduces_case(args.work, scales["x1"]["seeds"])
+           if "x1" in scales and not args.overrides else None, "overrides": args.overrides,
            "command": "python bench/language_shift_scale.py " + " ".join(sys.argv[1:]),
            "date": time.strftime("%Y-%m-%d"),
            "machine": f"{os.cpu_count()} cores of an {footprint.cpu_name()}"}

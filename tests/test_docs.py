@@ -96,3 +96,14 @@ def test_the_front_door_and_the_longest_method_page_stay_short():
     assert len(readme.splitlines()) <= 250 and "docs/results.md" in readme
     deepfusion = (ROOT / "docs" / "deepfusion.md").read_text()
     assert len(deepfusion.splitlines()) <= 300 and "**Summary.**" in deepfusion.split("```")[0]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_every_table_s_rule_line_has_as_many_columns_as_its_header(doc):
+    """A Markdown table whose separator row has fewer cells than its header renders as text: a
+    generated table that grew a column must grow its rule line too."""
+    lines = doc.read_text().splitlines()
+    for i in range(1, len(lines)):
+        if re.fullmatch(r"\|(\s*:?-+:?\s*\|)+", lines[i].strip()) and lines[i - 1].startswith("|"):
+            header = lines[i - 1].replace("\\|", "")
+            assert header.count("|") == lines[i].count("|"), f"{doc.name}:{i}: {header[:80]}"

@@ -1,5 +1,6 @@
 """bench/language_shift_scale.py's reading of its runs, on run folders written here: the lead's
-sign, which expert is the generalist, and which rows the router's CE is averaged over."""
+sign, which expert is the generalist, which rows the router's CE is averaged over, and which seeds
+a scale's row reads (those whose two runs finished)."""
 import importlib.util
 import json
 import math
@@ -34,9 +35,13 @@ def test_the_lead_is_local_minus_comigs_and_the_signals_read_the_router_s_own_ro
             {"round": 2, "user": "de", "router_valid_loss": 2.0}, {"round": 2, "user": "fr", "router_valid_loss": 4.0},
             {"round": 2, "user": "de", "test_ppl": 9.0}]  # an evaluation row: no router CE
     for seed, (local, comigs) in {1: (20.0, 21.0), 2: (22.0, 23.5)}.items():
-        _write(tmp_path / str(seed) / "local", local)
-        _write(tmp_path / str(seed) / "comigs-1g1s", comigs, gates, entropy, rows)
-    out = bench.summarise([1], [1, 2], lambda scale, seed, m: tmp_path / str(seed) / m)["x1"]
+        _write(tmp_path / "x1" / str(seed) / "local", local)
+        _write(tmp_path / "x1" / str(seed) / "comigs-1g1s", comigs, gates, entropy, rows)
+    _write(tmp_path / "x1" / "3" / "local", 19.0)  # seed 3's CoMiGS run did not finish: left out of the row
+    out = bench.summarise([1, 2], [1, 2, 3], lambda scale, seed, m: tmp_path / f"x{scale}" / str(seed) / m, {1: 40.0, 2: 41.0, 3: 39.0})
+    assert list(out) == ["x1"]  # x2 finished no seed: no row
+    out = out["x1"]
+    assert out["seeds"] == [1, 2] and out["pretrained_test_ppl"] == [40.0, 41.0]
     assert out["test_ppl"] == {"local": [20.0, 22.0], "comigs-1g1s": [21.0, 23.5]}
     assert out["comigs_lead_over_local"]["mean"] == pytest.approx(-1.25)  # Local ahead: negative
     assert math.isfinite(out["comigs_lead_over_local"]["half_width_95"])

@@ -684,3 +684,37 @@ def test_the_poisoned_uploads_table_reads_the_rules_only_where_training_gained_o
     assert "| mean | 19.70 (19.60 / 19.80 / 19.70) | 31.03 (30.60 / 31.80 / 30.70); +11.33 [" in text
     result["pretrained_honest_test_ppl"] = [19.0, 22.0, 19.9]  # the gain within the seeds' noise
     assert "not resolved over the seeds: the rules cannot be read" in poisoned_table(json.dumps(result))
+
+
+def test_the_language_shift_scale_table_reads_each_scale_by_the_results_page_rules():
+    """bench/language_shift_scale.py's table: a scale reads "Local ahead" / "CoMiGS-1G1S ahead" only
+    where the lead's interval excludes zero (the sign: Local minus CoMiGS, positive = CoMiGS ahead)
+    and both models' gains over the untrained base are resolved; one seed reads in direction only."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from bench_tables import language_shift_scale_table
+    from cases import paired_interval
+
+    def scale(local, comigs):
+        mean, half = paired_interval([a - b for a, b in zip(local, comigs)])
+        return {"rounds_x_local_steps": [4, 4], "seeds": [42, 45, 47][:len(local)], "test_ppl": {"local": local, "comigs-1g1s": comigs},
+                "pretrained_test_ppl": [40.0, 41.0, 40.5][:len(local)],
+                "comigs_lead_over_local": {"mean": mean, "half_width_95": half},
+                "router_valid_loss": [3.1, 2.9, 2.8], "gate_entropy": [0.69, 0.6, 0.5, 0.4], "generalist_share": 0.5}
+    result = {"command": "python bench/language_shift_scale.py", "setting": "s", "seeds": [42, 45, 47], "machine": "m",
+              "date": "d", "x1_against_case": {"local seed 42": 0.001},
+              "scales": {"x1": scale([20.0, 20.5, 20.2], [21.0, 21.4, 21.1]),
+                         "x2": scale([18.0, 18.5, 18.2], [17.0, 17.6, 17.1]),
+                         "x4": scale([17.0, 17.5, 17.2], [17.1, 17.3, 17.4])}}
+    lines = language_shift_scale_table(json.dumps(result)).splitlines()
+    assert lines[2].count("|") == lines[3].count("|")  # as many columns as the header names
+    rows = {ln.split(" | ")[0].strip("| "): ln for ln in lines if ln.startswith("| x")}
+    assert "| -0.93 [" in rows["x1"] and "| Local ahead |" in rows["x1"]
+    assert "| +1.00 [" in rows["x2"] and "| CoMiGS-1G1S ahead |" in rows["x2"]
+    assert "| unresolved |" in rows["x4"]
+    assert "3.100 -> 2.800" in rows["x1"] and "0.690 / 0.500 / 0.400" in rows["x1"]
+    for x in result["scales"].values():  # a gain inside the seeds' noise: nothing to read
+        x["pretrained_test_ppl"] = [21.0, 19.0, 22.0]
+    assert all("| not testable" in ln for ln in language_shift_scale_table(json.dumps(result)).splitlines()
+               if ln.startswith("| x"))
+    result["scales"] = {"x1": scale([20.0], [21.0])}
+    assert "| one seed: direction only |" in language_shift_scale_table(json.dumps(result))
