@@ -225,10 +225,14 @@ def language_shift_scale_table(text: str) -> str:
     def verdict(base, ppl, mean, half):
         if base is None:
             return "a rehearsal: no base to read against"
-        gains = [paired_interval([b - p for b, p in zip(base, ppl[m])]) for m in ppl]
-        if any(h != h for _, h in gains):
+        gains = {m: paired_interval([b - p for b, p in zip(base, ppl[m])]) for m in ppl}
+        if any(h != h for _, h in gains.values()):
             return "one seed: direction only"
-        if any(g - h <= 0 for g, h in gains):
+        names = {"local": "Local", "comigs-1g1s": "CoMiGS-1G1S"}
+        behind = [names[m] for m, (g, h) in gains.items() if g + h < 0]
+        if behind:  # trained into overfitting: worse than no training at all, resolved
+            return f"not testable ({' and '.join(behind)} behind the untrained base)"
+        if any(g - h <= 0 for g, h in gains.values()):
             return "not testable (a model's gain over the untrained base is not resolved)"
         if abs(mean) <= half:
             return "unresolved"
@@ -241,16 +245,27 @@ def language_shift_scale_table(text: str) -> str:
         lead = x["comigs_lead_over_local"]
         mean, half = lead["mean"], lead["half_width_95"]
         ci = f"{mean:+.2f}" if half != half else f"{mean:+.2f} [{mean - half:+.2f}, {mean + half:+.2f}]"
+        # perplexity falls as training grows: the lead as a share of Local's says whether the gap closes
+        ci += f" ({mean / statistics.fmean(x['test_ppl']['local']):+.1%} of Local's)"
         ent, loss = x["gate_entropy"], x["router_valid_loss"]
         base = x["pretrained_test_ppl"]
-        rows.append(f"| {name} | {' x '.join(map(str, x['rounds_x_local_steps']))} | {' / '.join(map(str, x['seeds']))} | "
+        sched = " x ".join(map(str, x["rounds_x_local_steps"]))
+        if cut := x.get("train_tokens_per_user"):  # the train split cut so the schedule reads it several times
+            sched += f" on {cut:,} train tokens a user ({x['passes']:g} passes)"
+        rows.append(f"| {name} | {sched} | {' / '.join(map(str, x['seeds']))} | "
                     f"{'-' if base is None else cell(base)} | {cell(x['test_ppl']['local'])} | "
                     f"{cell(x['test_ppl']['comigs-1g1s'])} | {ci} | {verdict(base, x['test_ppl'], mean, half)} | "
                     f"{loss[0]:.3f} -> {loss[-1]:.3f} | {ent[0]:.3f} / {ent[len(ent) // 2]:.3f} / {ent[-1]:.3f} | "
                     f"{x['generalist_share']:.3f} |")
     case = r.get("x1_against_case")
-    head = (f"`{r['command'].strip()}` on `{r['setting']}`: seeds {' / '.join(map(str, r['seeds']))}; {r['machine']}, "
-            f"{r['date']}." + ("" if not case else " x1 against the committed case's own runs (ours / theirs - 1): "
+    # scales measured apart (a later command adds a scale to the file) each name their own command
+    runs: dict[tuple, list[str]] = {}
+    for name, x in r["scales"].items():
+        m = x.get("measured", r)
+        runs.setdefault((m["command"].strip(), m["machine"], m["date"]), []).append(name)
+    head = (f"On `{r['setting']}`: " + "; ".join(f"{', '.join(names)} by `{c}` ({machine}, {date})"
+                                                 for (c, machine, date), names in runs.items()) + "."
+            + ("" if not case else " x1 against the committed case's own runs (ours / theirs - 1): "
                + ", ".join(f"{k} {v:+.2%}" for k, v in case.items()) + "."))
     return "\n".join([head, "", *rows])
 

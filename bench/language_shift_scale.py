@@ -21,6 +21,16 @@ resumes with comix's ``--resume``) and reads:
     entropy at the end (log 2 = 0.693 is an even mix of the two experts, 0 a hard choice) and
     the generalist's share (the mean gate of expert 0 over layers and users).
 x1 repeats the committed case's own runs: the result says how near it came to them.
+
+The scales above stay far under one pass over a user's data (x8 reads 65,536 of its ~550,000
+training tokens), where App. B.1's schedule reads each user's training split about 3.3 times
+(1,638,400 tokens a user over Table 4's 407,498-557,662): Local, training its doubled LoRA on one
+language for several epochs, may overfit there, where a router fitted to held-out validation data
+has something to correct. ``--passes P`` reaches that regime at the CPU's cost: it keeps each
+user's first (scale's tokens / P) training tokens (``data.train_tokens``), so the schedule reads
+them P times; validation and test splits stay the case's.
+
+    python bench/language_shift_scale.py --scales 1 --passes 3.3   # the paper's passes, x1's cost
 Writes ``bench/results/language-shift-scale.json``; the runs go to ``runs/language-shift-scale``
 (``--work``).
 """
@@ -44,6 +54,21 @@ CASE = ROOT / "bench" / "results" / "recent-multilingual"
 METHODS = ("local", "comigs-1g1s")
 # xk -> (rounds, local steps): k x the case's 16 expert iterations
 SCHEDULES = {1: (4, 4), 2: (8, 4), 4: (8, 8), 8: (16, 8)}
+TOKENS_PER_STEP = 4 * 128  # the case's train.batch_size x train.seq_len
+# CoMiGS App. B.1 (20 rounds x 10 iterations of 64 x 128 tokens) over Table 4's Multilingual users
+PAPER_PASSES = 20 * 10 * 64 * 128 / statistics.fmean([557_662, 407_498, 556_796, 451_584])
+
+
+def point(scale: int, passes: float | None) -> str:
+    """A point of the study by name: ``x2``, or ``x1-train2482`` where each user's train split was
+    cut to 2,482 tokens (no dot in the name: docs quote its numbers by key path, bench/quotes.py)."""
+    return f"x{scale}" if passes is None else f"x{scale}-train{train_tokens(scale, passes)[0]}"
+
+
+def train_tokens(scale: int, passes: float, users: int = 4) -> list[int]:
+    """Each user's training tokens so that ``scale``'s schedule reads them ``passes`` times."""
+    rounds, steps = SCHEDULES[scale]
+    return [round(rounds * steps * TOKENS_PER_STEP / passes)] * users
 
 
 def schedule(scale: int) -> list[str]:
@@ -51,14 +76,15 @@ def schedule(scale: int) -> list[str]:
     return [f"train.rounds={rounds}", f"train.local_steps={steps}", f"train.eval_every={max(1, rounds // 2)}"]
 
 
-def run(scale: int, seed: int, work: Path, config: Path, overrides: list[str] = ()) -> Path:
+def run(scale: int, seed: int, work: Path, config: Path, overrides: list[str] = (), passes: float | None = None) -> Path:
     """Local and CoMiGS-1G1S at ``scale`` on ``seed`` (skipped where finished, resumed where stopped)."""
-    out = work / f"x{scale}-seed{seed}"
+    out = work / f"{point(scale, passes)}-seed{seed}"
     if all((out / f"seed{seed}" / m / "results.json").exists() for m in METHODS):
         return out
+    cut = [] if passes is None else [f"data.train_tokens={train_tokens(scale, passes)}".replace(" ", "")]
     args = ["--resume", str(out)] if out.exists() else \
-        [str(config), "--methods", *METHODS, "--seeds", str(seed), *schedule(scale), *overrides, f"run_dir={out}"]
-    print(f"x{scale} seed {seed}: comix compare {' '.join(args)}", flush=True)
+        [str(config), "--methods", *METHODS, "--seeds", str(seed), *schedule(scale), *cut, *overrides, f"run_dir={out}"]
+    print(f"{point(scale, passes)} seed {seed}: comix compare {' '.join(args)}", flush=True)
     subprocess.run([sys.executable, "-m", "comix.cli", "compare", *args], cwd=ROOT, check=True,
                    env={**os.environ, "PYTHONPATH": str(ROOT)})
     return out
@@ -81,7 +107,7 @@ def signals(folder: Path) -> dict:
             "generalist_share": statistics.fmean(statistics.fmean(g[0] for g in u["gates"]) for u in users)}
 
 
-def summarise(scales: list[int], seeds: list[int], folder, pretrained: dict | None) -> dict:
+def summarise(scales: list[int], seeds: list[int], folder, pretrained: dict | None, passes: float | None = None) -> dict:
     """Per scale, over the seeds whose two runs finished: each method's mean test perplexity per
     seed, the untrained base's, the lead with its interval, and the router's signals averaged over
     seeds. ``folder(scale, seed, method)``: that run's folder; ``pretrained``: {seed: base ppl}."""
@@ -94,14 +120,31 @@ def summarise(scales: list[int], seeds: list[int], folder, pretrained: dict | No
                for m in METHODS}
         lead, half = paired_interval([a - b for a, b in zip(ppl["local"], ppl["comigs-1g1s"])])
         sig = [signals(folder(scale, s, "comigs-1g1s")) for s in done]
-        out[f"x{scale}"] = {
+        out[point(scale, passes)] = {
             "rounds_x_local_steps": list(SCHEDULES[scale]), "seeds": done, "test_ppl": ppl,
+            "train_tokens_per_user": None if passes is None else train_tokens(scale, passes)[0], "passes": passes,
             "pretrained_test_ppl": None if pretrained is None else [pretrained[s] for s in done],
             "comigs_lead_over_local": {"mean": lead, "half_width_95": half},
             "router_valid_loss": [statistics.fmean(v) for v in zip(*(s["router_valid_loss"] for s in sig))],
             "gate_entropy": [statistics.fmean(v) for v in zip(*(s["gate_entropy"] for s in sig))],
             "generalist_share": statistics.fmean(s["generalist_share"] for s in sig)}
     return out
+
+
+def kept_scales(earlier: dict, now: dict) -> dict:
+    """``now`` with the scales an earlier result of the same setting read and this one did not (its
+    runs may be gone: a scale costs CPU-hours), each scale keeping the command, date and machine that
+    measured it; a rehearsal (overrides) keeps nothing, nor does a different setting."""
+    if now["overrides"] or earlier.get("overrides") or earlier["setting"] != now["setting"]:
+        return now
+    for scale in now["scales"].values():
+        scale.setdefault("measured", {k: now[k] for k in ("command", "date", "machine")})
+    kept = {k: v for k, v in earlier["scales"].items() if k not in now["scales"]}
+    for scale in kept.values():
+        scale.setdefault("measured", {k: earlier[k] for k in ("command", "date", "machine")})
+    scales = dict(sorted({**kept, **now["scales"]}.items(), key=lambda kv: (int(kv[0][1:].split("-")[0]), kv[0])))
+    return {**now, "scales": scales, "seeds": sorted({s for x in scales.values() for s in x["seeds"]}),
+            "x1_against_case": now["x1_against_case"] if "x1" in now["scales"] else earlier.get("x1_against_case")}
 
 
 def reproduces_case(work: Path, seeds: list[int]) -> dict[str, float]:
@@ -118,24 +161,29 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[42, 45, 47])
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "language-shift-scale")
     ap.add_argument("--result", type=Path, default=ROOT / "bench" / "results" / "language-shift-scale.json")
+    ap.add_argument("--passes", type=float, default=None,
+                    help=f"cut each user's train split so the schedule reads it this many times (App. B.1: {PAPER_PASSES:.1f})")
     ap.add_argument("--no-run", action="store_true",
                     help="read back the finished runs only (a bench cut short: each scale over the seeds it finished)")
     ap.add_argument("overrides", nargs="*", help="key=value for every run (a rehearsal: model=tiny-llama ...)")
     args = ap.parse_args()
     for scale in [] if args.no_run else args.scales:  # every seed of a scale before the next scale
         for seed in args.seeds:
-            run(scale, seed, args.work, CASE / "config.yaml", args.overrides)
-    folder = lambda scale, seed, m: args.work / f"x{scale}-seed{seed}" / f"seed{seed}" / m  # noqa: E731
+            run(scale, seed, args.work, CASE / "config.yaml", args.overrides, args.passes)
+    folder = lambda scale, seed, m: args.work / f"{point(scale, args.passes)}-seed{seed}" / f"seed{seed}" / m  # noqa: E731
     # the untrained base's score does not depend on the schedule: the committed case's runs (the same data)
     pretrained = None if args.overrides else \
         {s: json.loads((CASE / f"seed{s}" / "pretrained" / "results.json").read_text())["mean_test_ppl"] for s in args.seeds}
-    scales = summarise(args.scales, args.seeds, folder, pretrained)
+    scales = summarise(args.scales, args.seeds, folder, pretrained, args.passes)
     fig = {"setting": str(CASE.relative_to(ROOT) / "config.yaml"), "methods": list(METHODS), "seeds": args.seeds,
            "scales": scales, "x1_against_case": reproduces_case(args.work, scales["x1"]["seeds"])
            if "x1" in scales and not args.overrides else None, "overrides": args.overrides,
-           "command": "python bench/language_shift_scale.py " + " ".join(sys.argv[1:]),
+           # the command that runs them (--no-run only reads back what it ran)
+           "command": "python bench/language_shift_scale.py " + " ".join(a for a in sys.argv[1:] if a != "--no-run"),
            "date": time.strftime("%Y-%m-%d"),
            "machine": f"{os.cpu_count()} cores of an {footprint.cpu_name()}"}
+    if args.result.exists():
+        fig = kept_scales(json.loads(args.result.read_text()), fig)
     footprint.write_result(args.result, fig)
     print(json.dumps({k: v["comigs_lead_over_local"] for k, v in fig["scales"].items()}, indent=1))
     print(f"wrote {args.result}")

@@ -56,3 +56,38 @@ def test_every_scale_multiplies_the_case_s_expert_iterations():
     for k, (r, s) in bench.SCHEDULES.items():
         assert r * s == k * rounds * steps
         assert f"train.rounds={r}" in bench.schedule(k) and f"train.local_steps={s}" in bench.schedule(k)
+
+
+def test_a_later_run_keeps_the_scales_it_did_not_read_with_the_command_that_measured_them():
+    bench = _bench()
+    row = lambda seeds: {"seeds": seeds, "test_ppl": {}}  # noqa: E731
+    earlier = {"setting": "s", "overrides": [], "command": "c12", "date": "d1", "machine": "m1",
+               "x1_against_case": {"local seed 42": 0.0}, "scales": {"x1": row([42, 45]), "x2": row([42, 45, 47])}}
+    now = {"setting": "s", "overrides": [], "command": "c24", "date": "d2", "machine": "m2", "x1_against_case": None,
+           "scales": {"x2": row([42]), "x4": row([45])}}
+    out = bench.kept_scales(json.loads(json.dumps(earlier)), json.loads(json.dumps(now)))
+    assert list(out["scales"]) == ["x1", "x2", "x4"]  # in scale order
+    assert out["scales"]["x2"]["seeds"] == [42]  # a scale read again is the new reading
+    assert out["scales"]["x1"]["measured"] == {"command": "c12", "date": "d1", "machine": "m1"}
+    assert out["scales"]["x4"]["measured"] == {"command": "c24", "date": "d2", "machine": "m2"}
+    assert out["seeds"] == [42, 45] and out["x1_against_case"] == {"local seed 42": 0.0}
+    for other in ({**earlier, "setting": "t"}, {**earlier, "overrides": ["model=tiny-llama"]}):
+        assert list(bench.kept_scales(other, json.loads(json.dumps(now)))["scales"]) == ["x2", "x4"]
+
+
+def test_passes_cut_each_user_s_train_split_so_the_schedule_reads_it_that_many_times(tmp_path):
+    bench = _bench()
+    for scale, (rounds, steps) in bench.SCHEDULES.items():
+        tokens = bench.train_tokens(scale, 2.0)
+        assert tokens == [rounds * steps * 4 * 128 // 2] * 4  # batch 4 x 128 tokens a step, 4 users
+    assert bench.PAPER_PASSES == pytest.approx(3.32, abs=0.01)  # App. B.1 over Table 4's users
+    assert bench.point(1, None) == "x1" and bench.point(1, 3.3) == "x1-train2482"
+    _write(tmp_path / "local", 20.0)
+    _write(tmp_path / "comigs-1g1s", 21.0, {"de": [[0.5, 0.5]]}, {"de": [0.6]}, [{"round": 1, "router_valid_loss": 3.0}])
+    out = bench.summarise([1], [7], lambda scale, seed, m: tmp_path / m, None, passes=4.0)
+    assert list(out) == ["x1-train2048"] and out["x1-train2048"]["train_tokens_per_user"] == 2048 and out["x1-train2048"]["passes"] == 4.0
+    assert bench.summarise([1], [7], lambda scale, seed, m: tmp_path / m, None)["x1"]["train_tokens_per_user"] is None
+    now = {"setting": "s", "overrides": [], "command": "c", "date": "d", "machine": "m", "x1_against_case": None,
+           "scales": {"x1-train2048": {"seeds": [7]}}}
+    earlier = {**now, "scales": {"x2": {"seeds": [7]}, "x1": {"seeds": [7]}}}
+    assert list(bench.kept_scales(earlier, now)["scales"]) == ["x1", "x1-train2048", "x2"]

@@ -712,9 +712,19 @@ def test_the_language_shift_scale_table_reads_each_scale_by_the_results_page_rul
     assert "| +1.00 [" in rows["x2"] and "| CoMiGS-1G1S ahead |" in rows["x2"]
     assert "| unresolved |" in rows["x4"]
     assert "3.100 -> 2.800" in rows["x1"] and "0.690 / 0.500 / 0.400" in rows["x1"]
+    assert "(-4.6% of Local's)" in rows["x1"] and "(+5.5% of Local's)" in rows["x2"]  # lead / Local's mean ppl
+    assert lines[0].startswith("On `s`: x1, x2, x4 by `python bench/language_shift_scale.py` (m, d).")
+    result["scales"]["x4"]["measured"] = {"command": "python bench/language_shift_scale.py --scales 4", "machine": "m2", "date": "d2"}
+    head = language_shift_scale_table(json.dumps(result)).splitlines()[0]  # a scale added later names its own run
+    assert "x1, x2 by `python bench/language_shift_scale.py` (m, d); x4 by `python bench/language_shift_scale.py --scales 4` (m2, d2)" in head
     for x in result["scales"].values():  # a gain inside the seeds' noise: nothing to read
         x["pretrained_test_ppl"] = [21.0, 19.0, 22.0]
     assert all("| not testable" in ln for ln in language_shift_scale_table(json.dumps(result)).splitlines()
                if ln.startswith("| x"))
+    result["scales"] = {"x1": scale([45.0, 46.2, 45.3], [35.0, 34.5, 33.0])}  # Local overfit past the base
+    assert "| not testable (Local behind the untrained base) |" in language_shift_scale_table(json.dumps(result))
+    cut = {**scale([20.0, 20.5, 20.2], [21.0, 21.4, 21.1]), "train_tokens_per_user": 2482, "passes": 3.3}
+    result["scales"] = {"x1-train2482": cut}  # a train split cut to 2,482 tokens: 16 steps of 4 x 128 read it 3.3 times
+    assert "| x1-train2482 | 4 x 4 on 2,482 train tokens a user (3.3 passes) |" in language_shift_scale_table(json.dumps(result))
     result["scales"] = {"x1": scale([20.0], [21.0])}
     assert "| one seed: direction only |" in language_shift_scale_table(json.dumps(result))
