@@ -251,7 +251,7 @@ def language_shift_scale_table(text: str) -> str:
         base = x["pretrained_test_ppl"]
         sched = " x ".join(map(str, x["rounds_x_local_steps"]))
         if cut := x.get("train_tokens_per_user"):  # the train split cut so the schedule reads it several times
-            sched += f" on {cut:,} train tokens a user ({x['passes']:g} passes)"
+            sched += f" on {cut:,} train tokens a user ({x['passes']:g} pass{'' if x['passes'] == 1 else 'es'})"
         rows.append(f"| {name} | {sched} | {' / '.join(map(str, x['seeds']))} | "
                     f"{'-' if base is None else cell(base)} | {cell(x['test_ppl']['local'])} | "
                     f"{cell(x['test_ppl']['comigs-1g1s'])} | {ci} | {verdict(base, x['test_ppl'], mean, half)} | "

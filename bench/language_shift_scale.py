@@ -31,6 +31,7 @@ user's first (scale's tokens / P) training tokens (``data.train_tokens``), so th
 them P times; validation and test splits stay the case's.
 
     python bench/language_shift_scale.py --scales 1 --passes 3.3   # the paper's passes, x1's cost
+
 Writes ``bench/results/language-shift-scale.json``; the runs go to ``runs/language-shift-scale``
 (``--work``).
 """
