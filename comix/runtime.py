@@ -159,6 +159,15 @@ def to_cpu(obj):
     return obj
 
 
+def at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in fp32 where its dtype is narrower (bf16, fp16, an integer count), else unchanged:
+    losses, balances and optimiser masters are computed in fp32 under mixed precision
+    (Micikevicius et al. 2018, Sec. 3), and an fp64 model keeps fp64 throughout, which the
+    executors' exact-arithmetic tests use (tests/test_cohort.py: fp32's last bits differ between
+    CPUs' kernels, and Adam's m / sqrt(v) enlarges them)."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
 def offload(module: torch.nn.Module) -> torch.nn.Module:
     """``module`` moved to the CPU: what a server keeps between uses (DeepFusion's K distilled
     students wait there while the next one trains on the device)."""

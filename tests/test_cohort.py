@@ -3,6 +3,8 @@ frozen base equal the same clients trained one after another: per-user metrics, 
 adapters, with gradient clipping, DP, mixed cohort sizes, and after a kill and resume. The unit
 tests each catch one classic bug of batching clients: a client's rows meeting another client's
 adapter, a moment or step count shared across clients, one clip or one load balance for all."""
+import contextlib
+import copy
 import json
 
 import pytest
@@ -32,8 +34,20 @@ def _algo(name, cohort, options=None, lora_dropout=0.0, **train):
     return make_algorithm(name, LoRAConfig(r=4, dropout=lora_dropout), _train(cohort=cohort, **train), 3, **(options or {}))
 
 
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    """Tensors made without a dtype (the adapters injected) in ``dtype`` while it lasts."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
 def _run(setup, tmp_path, name, cohort, options=None, privacy=None, precision="fp32", **train):
-    """One run of ``name``; returns (results, uploads per round {client: tensors}, final adapters)."""
+    """One run of ``name``; returns (results, uploads per round {client: tensors}, final adapters).
+    An fp64 base (``setup64``) gets fp64 adapters: the executors' exact-arithmetic comparison."""
     from comix.runtime import resolve
     model, users = setup
     runtime = resolve("cpu", precision)
@@ -46,7 +60,9 @@ def _run(setup, tmp_path, name, cohort, options=None, privacy=None, precision="f
     uploads, real = [], algo.server_round
     algo.server_round = lambda state, up: uploads.append({c: dict(t) for c, t in up.items()}) or real(state, up)
     out = tmp_path / f"{name}-{cohort}-{precision}"
-    result = run_method(algo, model, users, out, seed=5, runtime=runtime)
+    exact = next(model.parameters()).dtype == torch.float64
+    with _default_dtype(torch.float64) if exact else contextlib.nullcontext():
+        result = run_method(algo, model, users, out, seed=5, runtime=runtime)
     from safetensors.torch import load_file
     finals = {u.name: load_file(out / "adapters" / f"{u.name}.safetensors") for u in users}
     return result, uploads, finals, out
@@ -99,29 +115,44 @@ def _assert_same(a, b, rel: float = 1e-5):
             assert _close(fa[user][n], fb[user][n], rel), (user, n)
 
 
+# The executors compared in fp64 (at_least_fp32 keeps it through losses, balances and masters), to
+# EXACT in relative norm: both compute the same sums in fp64, so they agree to 1e-14 but where
+# Adam's m / sqrt(v) enlarges a difference in a gradient entry near zero (measured on an AMD EPYC,
+# 2 cores: 6.5e-10 at most, CoMiGS-1G1S on instruction batches, 3e-15 in the other cases). In fp32
+# the same last-bit differences grow to 1e-4 at lr 1e-2, and by how much depends on the CPU's
+# kernels (1.0e-4 on an AMD EPYC, under 4.6e-5 on an Intel Xeon): a tolerance that wide would
+# let a small systematic difference through, one this tight catches it (in fp64 a balance whose
+# token fractions were rounded to fp32 in one executor only showed at 2e-6).
+EXACT = 1e-8
+
+
+@pytest.fixture(scope="module")
+def setup64(setup):
+    """The shared tiny fixture with its base in fp64."""
+    model, users = setup
+    return copy.deepcopy(model).double(), users
+
+
 COHORT_METHODS = ["local", "fedavg", "comigs-1g1s", "comigs-1g1s-tr", "pfedmoe", "ffa-lora", "fedsa-lora", "flexlora"]
 
 
 @pytest.mark.parametrize("method", ["fedavg", "comigs-1g1s"])
-def test_a_fedprox_cohort_trains_each_client_as_it_would_train_alone(setup, tmp_path, method):
+def test_a_fedprox_cohort_trains_each_client_as_it_would_train_alone(setup64, tmp_path, method):
     """FedProx's term in a cohort: each client's shared slots pulled towards its own round start
     (an anchor that moves with the stacked weights, or none, fails; the clients' anchors are equal
-    here, as every method a cohort runs sends one payload to all).
-    Tensors to 1e-4: the term's gradient mu (w - w^t) is near zero close to the anchor, where
-    Adam's m / sqrt(v) enlarges the executors' last-bit differences (measured: 2.3e-5 at most,
-    CoMiGS-1G1S round 2, against 2.7e-6 without the term)."""
-    seq = _run(setup, tmp_path, method, 1, prox_mu=0.5)
-    together = _run(setup, tmp_path, method, 3, prox_mu=0.5)
-    _assert_same(seq, together, rel=1e-4)
-    plain = _run(setup, tmp_path / "plain", method, 3)
+    here, as every method a cohort runs sends one payload to all)."""
+    seq = _run(setup64, tmp_path, method, 1, prox_mu=0.5)
+    together = _run(setup64, tmp_path, method, 3, prox_mu=0.5)
+    _assert_same(seq, together, rel=EXACT)
+    plain = _run(setup64, tmp_path / "plain", method, 3)
     assert not _close(plain[1][1][0][next(iter(plain[1][1][0]))], together[1][1][0][next(iter(plain[1][1][0]))])
 
 
 @pytest.mark.parametrize("method", COHORT_METHODS)
-def test_a_cohort_trains_each_client_as_it_would_train_alone(setup, tmp_path, method):
-    seq = _run(setup, tmp_path, method, 1)
-    together = _run(setup, tmp_path, method, 3)
-    _assert_same(seq, together)
+def test_a_cohort_trains_each_client_as_it_would_train_alone(setup64, tmp_path, method):
+    seq = _run(setup64, tmp_path, method, 1)
+    together = _run(setup64, tmp_path, method, 3)
+    _assert_same(seq, together, rel=EXACT)
     rows = [json.loads(ln) for ln in (together[3] / "metrics.jsonl").read_text().splitlines()]
     assert {r.get("cohort") for r in rows if "train_loss" in r} == {3}  # it did run as one cohort
     if method.startswith("comigs"):  # its router steps' CE is a round metric of both executors
@@ -129,27 +160,25 @@ def test_a_cohort_trains_each_client_as_it_would_train_alone(setup, tmp_path, me
         assert all(key in r for r in _training_rows(seq[3]).values())
 
 
-def test_cohorts_of_unequal_sizes_and_mixtures_of_other_sizes_with_clipping(setup, tmp_path):
+def test_cohorts_of_unequal_sizes_and_mixtures_of_other_sizes_with_clipping(setup64, tmp_path):
     """comigs-1gxs with experts [4, 4, 2]: a, b share an architecture (a cohort of 2, whose n = 4
     load balance and router steps are per client), c trains alone; each client's gradient clipped
     to its own norm; fresh moments every round."""
     opts = dict(experts=[4, 4, 2])
-    # (at lr 2e-3: a fresh Adam's first step is about lr x sign(g), so at 1e-2 the last-bit
-    # differences of the products flip a few near-zero entries by 2 lr, 5e-5 of the upload)
     kw = dict(grad_clip=0.05, optimizer_state="round", lr=2e-3, router_lr=2e-3)
-    seq = _run(setup, tmp_path, "comigs-1gxs", 1, opts, **kw)
-    together = _run(setup, tmp_path, "comigs-1gxs", 4, opts, **kw)
-    _assert_same(seq, together)
+    seq = _run(setup64, tmp_path, "comigs-1gxs", 1, opts, **kw)
+    together = _run(setup64, tmp_path, "comigs-1gxs", 4, opts, **kw)
+    _assert_same(seq, together, rel=EXACT)
     rows = [json.loads(ln) for ln in (together[3] / "metrics.jsonl").read_text().splitlines()]
     assert sorted({r["user"]: r.get("cohort") for r in rows if "train_loss" in r}.items()) == \
         [("a", 2), ("b", 2), ("c", None)]
 
 
-def test_a_cohort_under_dp_clips_and_noises_as_one_client_at_a_time(setup, tmp_path):
+def test_a_cohort_under_dp_clips_and_noises_as_one_client_at_a_time(setup64, tmp_path):
     dp = dict(clip=0.05, noise_multiplier=0.5)
-    seq = _run(setup, tmp_path, "fedavg", 1, privacy=dp)
-    together = _run(setup, tmp_path, "fedavg", 2, privacy=dp)
-    _assert_same(seq, together)
+    seq = _run(setup64, tmp_path, "fedavg", 1, privacy=dp)
+    together = _run(setup64, tmp_path, "fedavg", 2, privacy=dp)
+    _assert_same(seq, together, rel=EXACT)
     norms = [r["update_norm"] for r in _training_rows(together[3]).values() if "update_norm" in r]
     assert norms and max(norms) > dp["clip"]  # the clip was at work (the norm reported is before it)
 
@@ -714,13 +743,13 @@ def test_a_step_that_cannot_be_captured_runs_eagerly_on_the_stream_it_had(setup,
 
 @pytest.fixture(scope="module")
 def instruction_setup():
-    """The tiny model with 3 clients of the built-in instruction set, one task each: examples of
-    unequal lengths, so every batch has its own width."""
+    """The tiny model (in fp64, as ``setup64``) with 3 clients of the built-in instruction set, one
+    task each: examples of unequal lengths, so every batch has its own width."""
     from comix.data import SplitConfig, load_corpus, make_user_data
     model, tok = load_base_model("tiny-llama")
     users = make_user_data(load_corpus("instructions"), tok,
                            SplitConfig(partition="task", clients=3, test_examples=3, valid_examples=8, seed=1))
-    return model, users
+    return model.double(), users
 
 
 @pytest.mark.parametrize("method,options", [("fedit", None), ("fedit-ft", None), ("comigs-1g1s", None),
@@ -730,15 +759,14 @@ def test_an_instruction_cohort_trains_each_client_as_it_would_train_alone(instru
     """Instruction batches of unequal widths in one cohort: each client's CE over its own targets
     and its load balance over its own batch's tokens (CoMiGS-1G1S, router steps on its validation
     examples; and CoMiGS-1GxS with 4 experts top-2 at weight 1, where the balance has a gradient that
-    shows: at 2 experts it is constant, and at the default weight 0.01 its share is below the tolerance),
+    shows: at 2 experts it is constant),
     its LoRA dropout (FedIT's 0.05; a mixture's, whose MLP sees the tokens flattened) from its own
     turn's generator at its own batch's shape:
     every metric, upload and final adapter equals the clients trained one at a time. A cohort that
     padded targets with a real token, balanced over the padding, counted padded tokens, or dealt
-    masks from one generator to all fails here. Tensors to 1e-4: padding alone moves a gradient in the
-    last bits (measured: the same CoMiGS-1G1S batch, 3 x 350 tokens, padded by 37 positions, changes
-    each adapter gradient by at most 4.8e-7 in relative norm), and Adam's m / sqrt(v) at lr 1e-2
-    enlarges that to 4.6e-5 in an attention factor after 4 steps (fedit: within 1e-5)."""
+    masks from one generator to all fails here. In fp64 to ``EXACT``: padding moves a gradient only in
+    its last bits, which Adam's m / sqrt(v) at lr 1e-2 enlarges to 6.5e-10 in CoMiGS-1G1S's attention
+    factors after 4 steps (3e-15 in the other cases; in fp32 the same grows to 1.0e-4)."""
     options = dict(options or {})
     train = dict(local_steps=4, batch_size=3, lb_weight=options.pop("lb_weight", 0.01),
                  lora_dropout=options.pop("lora_dropout", 0.0))
@@ -746,7 +774,7 @@ def test_an_instruction_cohort_trains_each_client_as_it_would_train_alone(instru
     together = _run(instruction_setup, tmp_path, method, 3, options, **train)
     rows = [json.loads(ln) for ln in (together[3] / "metrics.jsonl").read_text().splitlines()]
     assert {r.get("cohort") for r in rows if "train_loss" in r} == {3}  # it did run as one cohort
-    _assert_same(seq, together, rel=1e-4)
+    _assert_same(seq, together, rel=EXACT)
 
 
 def test_lora_dropout_draws_the_cpu_dropouts_masks_and_in_a_cohort_each_clients_own():

@@ -34,7 +34,7 @@ from torch import nn
 
 from ..models.cohort import clients_of
 from ..models.lora import CohortDraws, LoRADropout
-from ..runtime import to_cpu
+from ..runtime import at_least_fp32, to_cpu
 from .scaffold import add_control_rate, begin_control_round, cohort_correction
 from .cohort_adamw import CohortAdamW, CohortMasters, clip_per_client
 from .fedprox import proximal_term
@@ -53,7 +53,7 @@ def cohort_lm_losses(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torc
     # the position ids for packed sequences with a Python `if` on a tensor (masking_utils.py,
     # find_packed_sequence_indices), a read-back that a CUDA graph cannot capture
     logits = model(input_ids=x).logits[:, -x.shape[1]:]
-    ce = nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
+    ce = nn.functional.cross_entropy(at_least_fp32(logits).reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
     clients = clients_of(model)
     targets = (y != -100).reshape(clients, -1)
     return (ce.reshape(clients, -1) * targets).sum(1) / targets.sum(1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..runtime import at_least_fp32
 from .training import TrainConfig
 
 
@@ -26,7 +27,7 @@ class CohortMasters:
         for p in params:
             self.columns[id(p)] = (start, start + p[0].numel())
             start += p[0].numel()
-        self.flat = torch.cat([p.detach().reshape(self.clients, -1).float() for p in params], 1)
+        self.flat = torch.cat([at_least_fp32(p.detach().reshape(self.clients, -1)) for p in params], 1)
         if dtype != torch.float32:
             for p in params:
                 p.data = p.data.to(dtype)
@@ -81,7 +82,7 @@ class CohortAdamW:
 
     def flat(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         """``tensors`` (shaped as the parameters) side by side in one fp32 (C, P) tensor."""
-        return torch.cat([t.reshape(self.clients, -1) for t in tensors], 1).float()
+        return at_least_fp32(torch.cat([t.reshape(self.clients, -1) for t in tensors], 1))
 
     def load(self, client: int, saved: dict) -> None:
         """Client ``client``'s moments from its ``AdamW.state_dict()`` (parameters in the same order)."""

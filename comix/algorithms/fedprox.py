@@ -8,17 +8,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..runtime import at_least_fp32
+
 
 def proximal_anchor(named: list[tuple[str, nn.Parameter]], is_shared) -> list[tuple[nn.Parameter, torch.Tensor]]:
     """FedProx's anchor: each trained shared parameter with a detached copy of its value now, at
     the round's start (the payload it took); private parameters (specialists, routers, personal
     LoRA) have none, so the term never reaches them."""
-    return [(p, p.detach().clone().float()) for n, p in named if is_shared(n)]
+    return [(p, at_least_fp32(p.detach().clone())) for n, p in named if is_shared(n)]
 
 
 def proximal_term(anchor: list[tuple[nn.Parameter, torch.Tensor]], mu: float, clients: int = 1) -> torch.Tensor:
     """mu/2 x the squared distance of the shared parameters from their anchor (FedProx, eq. 2); for
     a cohort (parameters stacked on a client axis) one term per client, shape (clients,)."""
     if clients > 1:
-        return mu / 2 * sum((p.float() - a).pow(2).reshape(clients, -1).sum(1) for p, a in anchor)
-    return mu / 2 * sum((p.float() - a).pow(2).sum() for p, a in anchor)
+        return mu / 2 * sum((at_least_fp32(p) - a).pow(2).reshape(clients, -1).sum(1) for p, a in anchor)
+    return mu / 2 * sum((at_least_fp32(p) - a).pow(2).sum() for p, a in anchor)

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..models import MixtureOfLoRAMLP, load_balance_loss, mixtures, param_role
 from ..models.cohort import clients_of
-from ..runtime import to_cpu
+from ..runtime import at_least_fp32, to_cpu
 
 Tensors = dict[str, torch.Tensor]
 
@@ -175,7 +175,7 @@ def average(uploads: dict[int, Tensors], noise=None) -> Tensors:
     sums, counts, dtypes = {}, {}, {}
     for n in names:
         ts = [u[n] for u in uploads.values() if n in u]
-        sums[n], counts[n], dtypes[n] = torch.stack([t.float() for t in ts]).sum(0), len(ts), ts[0].dtype
+        sums[n], counts[n], dtypes[n] = torch.stack([at_least_fp32(t) for t in ts]).sum(0), len(ts), ts[0].dtype
     return mean_of_sums(sums, counts, noise, dtypes)
 
 
@@ -364,7 +364,7 @@ def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     device = model.get_input_embeddings().weight.device
     x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
     logits = model(input_ids=x).logits[:, -x.shape[1]:]
-    return nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+    return nn.functional.cross_entropy(at_least_fp32(logits).reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
 def model_load_balance(model: nn.Module, weighting: str, own: torch.Tensor | None = None) -> torch.Tensor:

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..runtime import at_least_fp32
 from .lora import LoRAWeights, client_linear, linear_dims, lora_dropout
 from .mixture import MixtureOfLoRA, Routing
 
@@ -202,8 +203,9 @@ def amole_load_balance(routing: Routing, n_experts: int) -> torch.Tensor:
     j, P_j = mean probability of j (the model's loss sums this over modules, weighted by beta)."""
     if routing.probs is None or n_experts < 2:
         return routing.topk_weight.new_zeros(())
-    f = F.one_hot(routing.topk_index[:, 0], n_experts).float().mean(0)
-    return n_experts * (f * routing.probs.float().mean(0)).sum()
+    p = at_least_fp32(routing.probs)
+    f = F.one_hot(routing.topk_index[:, 0], n_experts).to(p.dtype).mean(0)
+    return n_experts * (f * p.mean(0)).sum()
 
 
 def layer_load_balance(layer: AMoLELinear, own: torch.Tensor | None = None) -> torch.Tensor:
@@ -214,8 +216,8 @@ def layer_load_balance(layer: AMoLELinear, own: torch.Tensor | None = None) -> t
     if layer.held is None:
         return amole_load_balance(routing, layer.n_active)
     clients, n = layer.clients, layer.n_active
-    f = F.one_hot(routing.topk_index[:, 0], n).float().reshape(clients, -1, n)
-    p = routing.probs.float().reshape(clients, -1, n)
+    p = at_least_fp32(routing.probs).reshape(clients, -1, n)
+    f = F.one_hot(routing.topk_index[:, 0], n).to(p.dtype).reshape(clients, -1, n)
     if own is None:
         f, p = f.mean(1), p.mean(1)
     else:

@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from ..runtime import at_least_fp32
+
 
 @dataclass
 class LoRAConfig:
@@ -180,7 +182,7 @@ class LoRALinear(nn.Module):
     def mixing(self, x: torch.Tensor) -> torch.Tensor:
         """(w_0, w_1) on the last axis, broadcastable against the output."""
         if self.lora_mixer is not None:  # softmax in fp32 as the authors' forward
-            return torch.softmax(self.lora_mixer(x).float(), dim=-1).to(x.dtype)
+            return torch.softmax(at_least_fp32(self.lora_mixer(x)), dim=-1).to(x.dtype)
         if self.instance_fusion is not None:  # (2,) | (batch, 2) -> (batch, 1, ..., 2) | (batch, tokens, 2)
             w = self.instance_fusion.to(x.dtype)
             return w.view(w.shape[0], *([1] * (x.dim() - 2)), 2) if w.dim() == 2 else w

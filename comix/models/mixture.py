@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..runtime import at_least_fp32
 from .lora import LoRAConfig, LoRAWeights, client_linear, linear_dims, lora_dropout
 
 
@@ -121,7 +122,7 @@ class MixtureOfLoRA(nn.Module):
         self.last_routing = routing
         if self.record_stats:
             with torch.no_grad():
-                gates = routing.dense_gates(self.n_experts).float()
+                gates = at_least_fp32(routing.dense_gates(self.n_experts))
                 # a cohort (models/cohort.py): one mean gate per client, over its own tokens
                 clients = self.clients
                 own = gates.reshape(clients, -1, self.n_experts) if clients > 1 else gates
@@ -304,8 +305,8 @@ def load_balance_loss(routing: Routing, n_experts: int, weighting: str = "unifor
     if routing.probs is None or weighting == "none":
         return routing.topk_weight.new_zeros(shape)
     n = n_experts
-    f = F.one_hot(routing.topk_index, n).sum(-2).float().reshape(clients, -1, n)
-    p = routing.probs.float().reshape(clients, -1, n)
+    p = at_least_fp32(routing.probs).reshape(clients, -1, n)
+    f = F.one_hot(routing.topk_index, n).sum(-2).to(p.dtype).reshape(clients, -1, n)
     if own is None:
         f, p = f.mean(1), p.mean(1)  # (clients, n)
     else:
