@@ -336,7 +336,13 @@ def mutation_sweep_table(text: str) -> str:
     total = sum(len(ms) for ms in mods.values())
     killed = sum(m["outcome"] == "killed" for ms in mods.values() for m in ms)
     same = sum(m["outcome"] == "equivalent" for ms in mods.values() for m in ms)
-    return "\n".join(rows) + (f"\n\n`{r['command']}` ({r['machine']}, {r['date']}): {killed} of {total} mutants "
+    where: dict[tuple, list] = {}  # (machine, date) -> the modules whose mutants ran there and then
+    for mod, ms in mods.items():
+        for m in ms:
+            at = where.setdefault((m.get("machine", r["machine"]), m.get("date", r["date"])), [])
+            at.extend([mod] if mod not in at else [])
+    ran = "; ".join(f"{mach}, {date}" + (f": {', '.join(at)}" if len(where) > 1 else "") for (mach, date), at in where.items())
+    return "\n".join(rows) + (f"\n\n`{r['command']}` ({ran}): {killed} of {total} mutants "
                               f"killed, {same} equivalent (the edit changes nothing a user can see, measured); each ran "
                               "its module's tests with `-x` on a clean tree, the file restored after.")
 

@@ -79,6 +79,7 @@ def run_one(m, timeout: int) -> dict:
                if rc == 0 else f"error (pytest rc {rc})")
     return {"module": m.module, "name": m.name, "file": m.file, "edit": m.what, "tests": m.tests,
             "outcome": outcome, "first_failure": failed, "seconds": round(time.time() - t0, 1),
+            "machine": machine(), "date": time.strftime("%Y-%m-%d"),  # a sweep of some modules keeps the others' own
             **({"equivalent": m.equivalent} if outcome == "equivalent" else {})}
 
 
@@ -103,7 +104,10 @@ def main(argv=None) -> None:
         if rc != 0:
             raise SystemExit(f"the unmutated tree fails {' '.join(tests)}: fix that first\n{out[-2000:]}")
         print(f"baseline passes: {' '.join(tests)}", flush=True)
-    old = {(r["module"], r["name"]): r for r in json.loads(RESULT.read_text())["mutants"]} if RESULT.exists() else {}
+    saved = json.loads(RESULT.read_text()) if RESULT.exists() else {"mutants": []}
+    # each row where and when it ran (a row from before rows said so: the file's, which its sweep wrote)
+    old = {(r["module"], r["name"]): {"machine": saved.get("machine"), "date": saved.get("date"), **r}
+           for r in saved["mutants"]}
     order = {(x.module, x.name): i for i, x in enumerate(MUTANTS)}  # the file's rows in the list's order
     for i, m in enumerate(chosen, 1):
         row = run_one(m, args.timeout)

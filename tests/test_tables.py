@@ -728,3 +728,37 @@ def test_the_language_shift_scale_table_reads_each_scale_by_the_results_page_rul
     assert "| x1-train2482 | 4 x 4 on 2,482 train tokens a user (3.3 passes) |" in language_shift_scale_table(json.dumps(result))
     result["scales"] = {"x1": scale([20.0], [21.0])}
     assert "| one seed: direction only |" in language_shift_scale_table(json.dumps(result))
+
+
+def test_the_mutation_sweep_names_where_and_when_each_modules_mutants_ran(tmp_path, monkeypatch):
+    """A sweep of some modules (--module) rewrites its rows only: every other row keeps the machine
+    and date its own sweep ran on (a row from before rows carried them takes its file's), and the
+    table's footer names each machine and date with the modules measured there."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import mutation_sweep
+    from bench_tables import mutation_sweep_table
+    from mutant import _m
+    mutants = [_m("privacy", "p1", "comix/privacy.py", "a", "b", "p edit", ("tests/test_x.py",)),
+               _m("cohort", "c1", "comix/algorithms/cohort.py", "a", "b", "c edit", ("tests/test_y.py",))]
+    result = tmp_path / "mutation-sweep.json"
+    old = [{"module": m.module, "name": m.name, "file": m.file, "edit": m.what, "tests": m.tests,
+            "outcome": "killed", "first_failure": "tests/test_x.py::test_old", "seconds": 1.0} for m in mutants]
+    result.write_text(json.dumps({"command": "python bench/mutation_sweep.py", "machine": "Xeon", "date": "d1",
+                                  "mutants": old}))
+    monkeypatch.setattr(mutation_sweep, "MUTANTS", mutants)
+    monkeypatch.setattr(mutation_sweep, "RESULT", result)
+    monkeypatch.setattr(mutation_sweep, "check", lambda chosen: None)
+    monkeypatch.setattr(mutation_sweep, "machine", lambda: "EPYC")
+    monkeypatch.setattr(mutation_sweep, "run_one", lambda m, timeout: {
+        **old[1], "first_failure": "tests/test_y.py::test_new", "machine": "EPYC", "date": "d2"})
+    monkeypatch.setattr(mutation_sweep, "pytest", lambda tests, timeout: (0, ""))
+    mutation_sweep.main(["--module", "cohort"])
+    rows = {r["name"]: r for r in json.loads(result.read_text())["mutants"]}
+    assert (rows["p1"]["machine"], rows["p1"]["date"]) == ("Xeon", "d1")  # not the later sweep's
+    assert (rows["c1"]["machine"], rows["c1"]["first_failure"]) == ("EPYC", "tests/test_y.py::test_new")
+    footer = mutation_sweep_table(result.read_text()).splitlines()[-1]
+    assert "(Xeon, d1: privacy; EPYC, d2: cohort): 2 of 2 mutants killed" in footer
+    one = json.loads(result.read_text())
+    for r in one["mutants"]:
+        r.update(machine="EPYC", date="d2")
+    assert "(EPYC, d2): 2 of 2" in mutation_sweep_table(json.dumps(one))
