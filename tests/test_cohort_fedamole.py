@@ -18,7 +18,7 @@ from comix.models import LoRAConfig
 from comix.models.amole import AMoLELinear, amole_load_balance, layer_load_balance
 from comix.models.cohort import stack_clients
 from test_algorithms import setup  # noqa: F401 (the shared tiny fixture: 3 users a, b, c)
-from test_cohort import _algo, _assert_same, _run, _train, instruction_setup, killed_and_resumed  # noqa: F401
+from test_cohort import EXACT, _algo, _assert_same, _run, _train, instruction_setup, killed_and_resumed, setup64  # noqa: F401
 
 # slots = pool: 12 expert places over 3 clients, each holding 2..6, so their counts differ
 SMALL = dict(pool=6, slots=6)
@@ -38,17 +38,16 @@ def _as_one_cohort(out):
 @pytest.mark.parametrize("method,options", [("fedamole", None), ("fedamole-vanilla", None),
                                             ("fedamole-random", None), ("fedamole", {"shared": False}),
                                             ("fedamole", {"beta": 1.0})])
-def test_a_fedamole_cohort_trains_each_client_as_it_would_train_alone(setup, tmp_path, method, options):
+def test_a_fedamole_cohort_trains_each_client_as_it_would_train_alone(setup64, tmp_path, method, options):
     """LM windows, AMoLE's dropout 0.05 (each client's masks from its own turn's generator); beta 1:
     the load balance's gradient large enough to show a balance over another client's tokens or over
-    empty slots. Tensors to 1e-4, as the instruction cohorts (algorithms/cohort.py's padding and
-    Adam's m / sqrt(v): measured at most 9.8e-6 in relative norm here, 9.9e-6 on instruction batches)."""
+    empty slots. In fp64 to ``EXACT``, as the other cohorts (tests/test_cohort.py)."""
     opts = {**SMALL, **(options or {})}
-    seq = _run(setup, tmp_path, method, 1, opts)
-    together = _run(setup, tmp_path, method, 3, opts)
+    seq = _run(setup64, tmp_path, method, 1, opts)
+    together = _run(setup64, tmp_path, method, 3, opts)
     assert _as_one_cohort(together[3])
     assert any(len(set(n)) > 1 for rnd in _counts(together[3]) for n in rnd.values())  # unequal expert counts
-    _assert_same(seq, together, rel=1e-4)
+    _assert_same(seq, together, rel=EXACT)
 
 
 def test_a_fedamole_instruction_cohort_trains_each_client_as_it_would_train_alone(instruction_setup, tmp_path):
@@ -59,7 +58,7 @@ def test_a_fedamole_instruction_cohort_trains_each_client_as_it_would_train_alon
     seq = _run(instruction_setup, tmp_path, "fedamole", 1, opts, **train)
     together = _run(instruction_setup, tmp_path, "fedamole", 3, opts, **train)
     assert _as_one_cohort(together[3])
-    _assert_same(seq, together, rel=1e-4)
+    _assert_same(seq, together, rel=EXACT)
 
 
 def test_a_fedamole_cohort_killed_and_resumed_equals_an_uninterrupted_run(setup, tmp_path):

@@ -16,7 +16,7 @@ from comix.engines.states import unpack
 from comix.models import LoRAConfig
 from test_aggregation import TINY
 from test_algorithms import setup  # noqa: F401 (the shared tiny fixture: 3 users a, b, c)
-from test_cohort import _assert_same, _close, _run
+from test_cohort import EXACT, _assert_same, _close, _run, setup64  # noqa: F401
 
 
 def _algo(method, scaffold_on, n_clients=3, **kw):
@@ -157,19 +157,18 @@ def test_a_sampled_scaffold_run_keeps_c_the_mean_of_every_client_s_c_i_and_resum
 
 
 @pytest.mark.parametrize("method", ["fedavg", "comigs-1g1s"])
-def test_a_scaffold_cohort_trains_each_client_as_it_would_train_alone(setup, tmp_path, method):
+def test_a_scaffold_cohort_trains_each_client_as_it_would_train_alone(setup64, tmp_path, method):
     """The correction in CohortAdamW (each member's c - c_i on its rows, after its step at its lr)
     equals the sequential executor's: uploads (variate deltas included), metrics and final
-    adapters. A variate is a weight difference over K * lr (option II), so it carries the weights'
-    fp32 summation-order differences (below 1.5e-6 here) enlarged by |w| / |w - w_round|: measured
-    at most 1.7e-4 in a CoMiGS variate (AMD EPYC, transformers 5.25, 2026-12-04; every weight
-    below 1e-5); 1e-3 leaves ~6x, while the plain run's uploads are 2.8e-2 away."""
-    seq = _run(setup, tmp_path, method, 1, scaffold=True, rounds=3)
-    together = _run(setup, tmp_path, method, 3, scaffold=True, rounds=3)
-    _assert_same(seq, together, rel=1e-3)
+    adapters, in fp64 to ``EXACT`` (tests/test_cohort.py). A variate is a weight difference over
+    K * lr (option II), so in fp32 it carries the weights' summation-order differences enlarged by
+    |w| / |w - w_round| (1.7e-4 in a CoMiGS variate on an AMD EPYC)."""
+    seq = _run(setup64, tmp_path, method, 1, scaffold=True, rounds=3)
+    together = _run(setup64, tmp_path, method, 3, scaffold=True, rounds=3)
+    _assert_same(seq, together, rel=EXACT)
     controls = [n for n in together[1][1][0] if scaffold.is_control(n)]
     assert controls
-    plain = _run(setup, tmp_path / "plain", method, 3, rounds=3)
+    plain = _run(setup64, tmp_path / "plain", method, 3, rounds=3)
     name = next(n for n in plain[1][2][0])  # round 3: the variates of round 2 have corrected the steps
     assert not _close(plain[1][2][0][name], together[1][2][0][name])
 

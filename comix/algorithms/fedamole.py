@@ -52,7 +52,7 @@ from ..data import sample_batch
 from ..models import AdapterConfig, mixtures
 from ..models.amole import AMoLEConfig, AMoLELinear, layer_load_balance
 from ..models.cohort import unstack
-from ..runtime import to_cpu
+from ..runtime import at_least_fp32, to_cpu
 from .base import Algorithm, ClientContext, ClientState, Tensors
 from ..data.partition import held_out
 from .training import FEDAMOLE_OPTIMIZER, FEDAMOLE_OPTIMIZER_SOURCE, adapter_tensors, load_adapters
@@ -198,7 +198,7 @@ class FedAMoLE(Algorithm):
         for n, t in payload.items():
             if not self.is_shared(n) or n.startswith("rsea."):
                 raise ValueError(f"payload tensor {n!r} is not a shared parameter of this client")
-            state.adapters[n] = t.detach().clone().float()
+            state.adapters[n] = at_least_fp32(t.detach().clone())
         return state
 
     def split(self, data):
@@ -235,16 +235,16 @@ class FedAMoLE(Algorithm):
 
         def hook(name):
             def record(module: AMoLELinear, args, _out):
-                h = args[0].reshape(-1, args[0].shape[-1]).float()
+                h = at_least_fp32(args[0].reshape(-1, args[0].shape[-1]))
                 n, r = module.n_active, module.cfg.r
                 # in fp32 under a bf16 run too: the upload's tensors are fp32 (check_upload), and a
                 # mean over thousands of tokens would lose its small differences to bf16's mantissa
                 with torch.autocast(h.device.type, enabled=False):
                     if module.token_proj is not None:
-                        got = {"token": (h @ module.token_proj.t().float()).sum(0),
-                               "expert": (h @ module.expert_A[:n].reshape(n * r, -1).t().float()).reshape(-1, n, r).sum(0)}
+                        got = {"token": (h @ module.token_proj.t().to(h.dtype)).sum(0),
+                               "expert": (h @ module.expert_A[:n].reshape(n * r, -1).t().to(h.dtype)).reshape(-1, n, r).sum(0)}
                     else:
-                        got = {"router": (h @ module.vanilla_router.weight.t().float()).sum(0)}
+                        got = {"router": (h @ module.vanilla_router.weight.t().to(h.dtype)).sum(0)}
                 prev = sums.setdefault(name, {"n": 0})
                 prev["n"] += len(h)
                 for k, v in got.items():

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import torch
 
+from ..runtime import at_least_fp32
+
 Tensors = dict[str, torch.Tensor]
 
 PREFIX = "scaffold_c:"
@@ -52,8 +54,9 @@ def with_controls(tensors: Tensors, controls: Tensors) -> Tensors:
 
 
 def zero_controls(shared: Tensors) -> Tensors:
-    """Zero variates for ``shared`` (fp32, as the update they estimate): c and c_i at the start."""
-    return {n: torch.zeros(t.shape, dtype=torch.float32) for n, t in shared.items()}
+    """Zero variates for ``shared`` (fp32, or fp64 for an fp64 model: at_least_fp32, as the update
+    they estimate): c and c_i at the start."""
+    return {n: torch.zeros(t.shape, dtype=at_least_fp32(t).dtype) for n, t in shared.items()}
 
 
 # -- the client --------------------------------------------------------------------------------------
@@ -62,7 +65,7 @@ def begin_control_round(extra: dict, payload: Tensors) -> Tensors:
     of the rates the round's steps will use); returns the payload without it."""
     rest, c = split_controls(payload)
     if c:
-        extra[ROUND] = {"c": {n: t.float() for n, t in c.items()}, "lr_sum": 0.0}
+        extra[ROUND] = {"c": {n: at_least_fp32(t) for n, t in c.items()}, "lr_sum": 0.0}
     return rest
 
 
@@ -110,7 +113,7 @@ def end_control_round(extra: dict, start: Tensors, trained: Tensors) -> Tensors:
     new, delta = {}, {}
     for n, c in rnd["c"].items():
         c_i = local.get(n, torch.zeros_like(c))
-        new[n] = c_i - c + (start[n].float() - trained[n].float()) / rnd["lr_sum"]
+        new[n] = c_i - c + (at_least_fp32(start[n]) - at_least_fp32(trained[n])) / rnd["lr_sum"]
         delta[n] = new[n] - c_i
     extra[LOCAL] = new
     return with_controls({}, delta)
@@ -122,7 +125,7 @@ def server_controls(start: Tensors, delta_sum: Tensors, n_clients: int) -> Tenso
     of the round's Delta c_i (upload names)."""
     _, c = split_controls(start)
     _, total = split_controls(delta_sum)
-    return with_controls({}, {n: c[n].float() + total[n].float() / n_clients if n in total else c[n] for n in c})
+    return with_controls({}, {n: at_least_fp32(c[n]) + at_least_fp32(total[n]) / n_clients if n in total else c[n] for n in c})
 
 
 def control_delta_sum(uploads: dict[int, Tensors]) -> Tensors:
@@ -131,5 +134,5 @@ def control_delta_sum(uploads: dict[int, Tensors]) -> Tensors:
     for up in uploads.values():
         for n, t in up.items():
             if is_control(n):
-                out[n] = out[n] + t.float() if n in out else t.float().clone()
+                out[n] = out[n] + at_least_fp32(t) if n in out else at_least_fp32(t).clone()
     return out
