@@ -1,11 +1,13 @@
 """The mutants of bench/mutation_sweep.py: one-line edits of the modules where a silent bug
 changes results (DP and the server's DP path, FDLoRA, the personal model's export forms, the
-quantised bases, fleets, tracking, the cohort engine), each with what a user would notice and the
+quantised bases, fleets, tracking, the cohort engine, the server's optimisers and robust rules,
+FedProx and SCAFFOLD), each with what a user would notice and the
 tests that must notice it. Each ``find`` occurs exactly once in its file (checked before a sweep)."""
 from __future__ import annotations
 
 from mutant import (AMOLE_COHORT, COHORT, EXECUTORCH, EXPORT, FDLORA, FLEET, GGUF, PRIVACY, QUANT,  # noqa: F401
                     TRACKING, Mutant, _m)
+from mutants_aggregation import AGGREGATION_MUTANTS
 from mutants_cohort import COHORT_MUTANTS
 
 
@@ -300,4 +302,4 @@ MUTANTS = [
     _m("executorch", "runtime-of-first-client", "comix/algorithms/training.py",
        "else self.client_runtime[client]", "else self.client_runtime[0]",
        "every device trains where the first one does", EXECUTORCH),
-] + COHORT_MUTANTS
+] + COHORT_MUTANTS + AGGREGATION_MUTANTS
