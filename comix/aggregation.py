@@ -30,8 +30,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .runtime import at_least_fp32
-
 OPTIMIZERS = ("fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad")
 AGGREGATES = ("mean", "median", "trimmed_mean", "krum")
 DEFAULT_LR = {"fedavgm": 1.0, "fedadam": 0.1, "fedyogi": 0.01, "fedadagrad": 0.1}  # Flower 1.41's
@@ -93,7 +91,7 @@ def combine(uploads: dict[int, dict[str, torch.Tensor]], cfg: ServerConfig) -> d
     out = {}
     for n in names:
         ts = [u[n] for u in uploads.values() if n in u]
-        stack = torch.stack([at_least_fp32(t) for t in ts])
+        stack = torch.stack(ts).to(torch.promote_types(ts[0].dtype, torch.float32))  # fp32, or an fp64 model's fp64
         if cfg.aggregate == "median":
             # numpy's median (Flower's): the mean of the two middle values for an even count,
             # where torch.median would return the lower one
