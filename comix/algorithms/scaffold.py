@@ -56,7 +56,7 @@ def with_controls(tensors: Tensors, controls: Tensors) -> Tensors:
 def zero_controls(shared: Tensors) -> Tensors:
     """Zero variates for ``shared`` (fp32, or fp64 for an fp64 model: at_least_fp32, as the update
     they estimate): c and c_i at the start."""
-    return {n: torch.zeros(t.shape, dtype=at_least_fp32(t).dtype) for n, t in shared.items()}
+    return {n: torch.zeros(t.shape, dtype=torch.promote_types(t.dtype, torch.float32)) for n, t in shared.items()}
 
 
 # -- the client --------------------------------------------------------------------------------------
