@@ -120,7 +120,7 @@ def _assert_same(a, b, rel: float = 1e-5):
 # Adam's m / sqrt(v) enlarges a difference in a gradient entry near zero (measured on an AMD EPYC,
 # 2 cores: 6.5e-10 at most, CoMiGS-1G1S on instruction batches, 3e-15 in the other cases). In fp32
 # the same last-bit differences grow to 1e-4 at lr 1e-2, and by how much depends on the CPU's
-# kernels (1.0e-4 on an AMD EPYC, under 4.6e-5 on an Intel Xeon): a tolerance that wide would
+# kernels (1.0e-4 on CI's AMD EPYC, where an earlier machine gave 4.6e-5): a tolerance that wide would
 # let a small systematic difference through, one this tight catches it (in fp64 a balance whose
 # token fractions were rounded to fp32 in one executor only showed at 2e-6).
 EXACT = 1e-8
