@@ -32,6 +32,7 @@ import json
 import statistics
 from dataclasses import dataclass, field
 
+import pooling
 from cases import RESULTS, _result, holm, load_case, paired_interval, paired_p, sd_range, seeds_for_power
 
 from comix.comparison import client_majority_accuracy
@@ -56,17 +57,14 @@ class Claim:
 CLAIMS = [
     # CoMiGS (ICML 2025) Table 1, GPT2-124M columns (mean over 3 seeds there): the generalist +
     # specialist mixture against training alone and against FedAvg, in the three settings comix
-    # runs (multilingual; topics in-distribution ~ SlimPajama; topics out-of-distribution ~ AG News)
+    # runs (multilingual; topics in-distribution ~ SlimPajama; topics out-of-distribution ~ AG News);
+    # each row also reads every other case that ran its methods the same way (bench/pooling.py: the
+    # recent methods' cases hold CoMiGS-1G1S, Local and the untrained base on seeds 42, 45 and 47)
     *[Claim("CoMiGS Table 1", col, "comigs-1g1s", b, pa, pb, f"reproduce-small-table1-{name}", False, "mean")
       for col, name, b, pa, pb in [
           ("Multilingual", "multilingual", "local", 47.19, 54.38), ("Multilingual", "multilingual", "fedavg", 47.19, 58.80),
           ("SlimPajama", "topics-in", "local", 21.79, 26.95), ("SlimPajama", "topics-in", "fedavg", 21.79, 23.27),
           ("AG News", "topics-ood", "local", 33.53, 41.46), ("AG News", "topics-ood", "fedavg", 33.53, 31.84)]],
-    # the mixture against training alone on 3 seeds: the recent methods' cases, where CoMiGS-1G1S and
-    # Local ran under one config (their untrained base run beside them for the gate)
-    *[Claim("CoMiGS Table 1", col, "comigs-1g1s", "local", pa, pb, case, False, "mean")
-      for col, name, case, pa, pb in [("Multilingual", "multilingual", "recent-multilingual", 47.19, 54.38),
-                                       ("SlimPajama", "topics-in", "recent-topics-in", 21.79, 26.95)]],
     # "CoMiGS-1G1S tracks the better of 2S and 2G" (Sec. 4.2.1): ahead of the worse of the two in
     # each setting (Table 1: 2G in Multilingual, 2S in SlimPajama and AG News)
     *[Claim("CoMiGS Table 1", col, "comigs-1g1s", b, pa, pb, f"reproduce-small-table1-{name}", False, "mean")
@@ -108,6 +106,27 @@ def _scores(case: str, metric: str) -> dict[str, dict[int, dict[str, float]]]:
     return {spec: {seed: _per_user(_result(d), metric) for seed, d in by.items()} for spec, by in runs.items()}
 
 
+def _gate_specs(case: str) -> list[str]:
+    """The runs of ``case`` its trivial baseline is made of (the untrained base, CE only)."""
+    _, runs = load_case(case)
+    return [s for s in runs if s == "pretrained" or s == "deepfusion-ce" or s.startswith("deepfusion-ce:device_steps=")]
+
+
+def cases_of(claim: Claim) -> tuple[list[str], list[tuple[str, str]]]:
+    """The cases ``claim``'s row reads (its own first) and those left out, with why (bench/pooling.py)."""
+    return pooling.cases_read(claim.case, [claim.a, claim.b], _gate_specs(claim.case))
+
+
+def _pooled(parts: list[dict]) -> dict:
+    """{key: {seed: x}} of several cases as one: a seed two cases hold, from the first."""
+    out: dict = {}
+    for part in parts:
+        for key, by in part.items():
+            for seed, x in by.items():
+                out.setdefault(key, {}).setdefault(seed, x)
+    return out
+
+
 def _mean(users: dict[int, dict[str, float]]) -> dict[int, float]:
     return {s: statistics.fmean(u.values()) for s, u in users.items() if u}
 
@@ -121,13 +140,20 @@ class Trivial:
     beside: list = field(default_factory=list)  # [(name, {seed: mean score})]
 
 
-def _trivial(claim: Claim) -> Trivial:
+def _trivial(claim: Claim, cases: list[str]) -> Trivial:
+    """The trivial baseline of ``claim``'s row over the cases it reads (a seed two hold, from the first)."""
+    parts = [_trivial_of(claim, case) for case in cases]
+    beside = _pooled([dict(p.beside) for p in parts])
+    return Trivial(parts[0].name, _pooled([{"": p.users} for p in parts]).get("", {}), list(beside.items()))
+
+
+def _trivial_of(claim: Claim, case: str) -> Trivial:
     """The majority training label (each client's own, from the partition) for a classification
     case; for a distillation, the student trained by CE alone on the same public text, beside the
     untrained dense base; else the untrained base (the ``pretrained`` run)."""
-    meta, runs = load_case(claim.case)
+    meta, runs = load_case(case)
     seeds = sorted({s for by in runs.values() for s in by})
-    folder = RESULTS / meta.get("runs_of", claim.case)
+    folder = RESULTS / meta.get("runs_of", case)
     majority = {}
     for s in seeds:
         for path in (folder / f"seed{s}" / "partition.json", folder / "partition.json"):
@@ -162,14 +188,16 @@ def _ce_only(runs: dict, metric: str) -> dict[int, dict[str, float]]:
 
 
 def verdict(claim: Claim) -> dict:
-    scores = _scores(claim.case, claim.metric)
-    trivial = _trivial(claim)
+    cases, left = cases_of(claim)
+    scores = _pooled([_scores(case, claim.metric) for case in cases])
+    trivial = _trivial(claim, cases)
     out = judge(claim, scores.get(claim.a, {}), scores.get(claim.b, {}), trivial)
+    out["cases"], out["left_out"] = cases, left
     if not trivial.users:  # nothing to gate on: no order can be read
         out["verdict"] = "not testable at this scale: the case's files hold no trivial baseline"
-    partial = json.loads((RESULTS / _folder(claim.case) / "case.json").read_text()).get("partial")
+    partial = [p for case in cases if (p := json.loads((RESULTS / _folder(case) / "case.json").read_text()).get("partial"))]
     if partial:  # a grid still running across sessions: what is in so far, never a verdict
-        out["verdict"] = f"partial case ({partial}): {out['verdict']}"
+        out["verdict"] = f"partial case ({'; '.join(partial)}): {out['verdict']}"
     return out
 
 
@@ -288,13 +316,14 @@ def ran(case: str) -> str:
 
 
 def read_specs(claims: list[Claim]) -> dict[str, list[str]]:
-    """{case: the specs its rows read}: each claim's two methods and the trivial baseline's own runs."""
+    """{case: the specs rows read from it}: each claim's two methods and the trivial baseline's own
+    runs, in every case the claim's row reads."""
     out: dict[str, list[str]] = {}
     for c in claims:
-        _, runs = load_case(c.case)
-        trivial = [s for s in runs if s == "pretrained" or s == "deepfusion-ce" or s.startswith("deepfusion-ce:device_steps=")]
-        out.setdefault(c.case, [])
-        out[c.case] += [s for s in (c.a, c.b, *trivial) if s in runs and s not in out[c.case]]
+        for case in cases_of(c)[0]:
+            _, runs = load_case(case)
+            out.setdefault(case, [])
+            out[case] += [s for s in (c.a, c.b, *_gate_specs(c.case)) if s in runs and s not in out[case]]
     return out
 
 
@@ -325,19 +354,30 @@ def results_page() -> str:
         trivial += "".join(f" (beside it: {n} {_fmt(x, h)})" for n, x in v["beside"])
         rows.append(f"| {c.paper} | {c.setting}; comix ran: {ran(c.case)} | {c.a} vs {c.b} | {_fmt(c.paper_a, h)} / {_fmt(c.paper_b, h)} | "
                     f"{_fmt(v['a'], h)} / {_fmt(v['b'], h)} ({', '.join(map(str, v['seeds']))}) | {interval} | "
-                    f"{trivial} | {_power(v)} | {v['verdict']} | `bench/results/{_folder(c.case)}/` |")
+                    f"{trivial} | {_power(v)} | {v['verdict']} | "
+                    + " + ".join(f"`bench/results/{_folder(case)}/`" for case in v["cases"]) + " |")
     # each case once: how it was made (its scale is in its command and config), on what machine, when
     rows += ["", "The cases: the command that runs the rows' methods again from the case's committed config "
              "(tests/test_tables.py derives every run's settings from it), then how the case was made (command; "
              "machine; date):", ""]
     specs = read_specs(CLAIMS)
     made = {}
-    for c in CLAIMS:
-        made.setdefault(_made_by(_folder(c.case)), []).append(c.case)
+    for case in specs:
+        made.setdefault(_made_by(_folder(case)), []).append(case)
     for case, parts in made.items():
         meta = json.loads((RESULTS / case / "case.json").read_text())
         again = "; ".join(f"`{reproducing_command(p, specs[p])}`" for p in dict.fromkeys(parts))
         rows.append(f"- `{case}`: again: {again}. Made by: {meta['command']}; {meta['machine']}; {meta['date']}.")
+    left = {}
+    for c, v in verdicts:
+        for case, why in v["left_out"]:
+            left.setdefault(case, {}).setdefault(why, []).append(f"{c.a} vs {c.b} ({c.setting})")
+    if left:
+        rows += ["", "Cases that ran a row's two methods on its data but are not read with it (cases are read "
+                 "together only where every method the row reads ran the same way: bench/pooling.py), each with the "
+                 "first setting that differs:", ""]
+        rows += [f"- `{case}` for {'; '.join(', '.join(rs) for rs in by.values())}: {'; '.join(by)}."
+                 for case, by in left.items()]
     return "\n".join(rows)
 
 

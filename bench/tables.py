@@ -41,7 +41,7 @@ Table kinds (``case.json``'s ``kind``):
              FedKMT needs at their spread, the teachers' in-domain premise.
 The marker ``<!-- table: methods -->`` is the one table made from code, not results: every method
 as its class declares it (bench/methods_table.py; docs/methods.md). ``<!-- table: results -->`` is
-docs/results.md's verdict per paper claim, made from the cases it names (bench/results_page.py). ``<!-- table: layer-speed.md -->``
+docs/results.md's verdict per paper claim, made from the cases it names (bench/results_page.py; the cases a row pools: bench/pooling.py). ``<!-- table: layer-speed.md -->``
 (and ``layer-speed-full.md``, ``layer-speed-h200-bf16.md``) renders the result file bench/layer_speed.py writes;
 ``cohort-cpu-fp32.json`` bench/cohort.py's, and ``cohort-cpu-runs`` a folder of whole runs timed one
 client at a time and in cohorts (``/usr/bin/time -v`` lines and each method's server.jsonl).

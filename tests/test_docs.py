@@ -63,11 +63,12 @@ def test_every_bench_reports_its_footprint():
     import sys
 
     # tables.py (and the modules of its tables: methods_table.py, from the code, results_page.py,
-    # the verdicts page, cases.py, case_tables.py, deepfusion_table.py, bench_tables.py) runs
+    # the verdicts page, pooling.py, the cases it reads, cases.py, case_tables.py, deepfusion_table.py,
+    # bench_tables.py) runs
     # nothing: it writes the docs' tables from committed result files; mutants.py (with mutant.py,
     # mutants_cohort.py and mutants_aggregation.py) is the mutation sweep's list of edits (data, run
     # by mutation_sweep.py)
-    renderers = ("footprint.py", "tables.py", "methods_table.py", "results_page.py", "quotes.py", "cases.py",
+    renderers = ("footprint.py", "tables.py", "methods_table.py", "results_page.py", "pooling.py", "quotes.py", "cases.py",
                  "case_tables.py", "deepfusion_table.py", "bench_tables.py", "mutants.py", "mutant.py",
                  "mutants_cohort.py", "mutants_aggregation.py")
     benches = [p for p in (ROOT / "bench").glob("*.py") if p.name not in renderers]

@@ -1,0 +1,102 @@
+"""Which committed cases a results row reads: its own case, and every other case that ran the row's
+methods under the same settings, pooled seed by seed; every other case that ran both methods is
+left out with the first setting that differs.
+
+Two cases are pooled for a row only when each method the row reads (its two, and the untrained base
+where that is the trivial baseline) ran under the same effective settings in both: the case's
+committed config.yaml with the method's spec and its authors' defaults applied
+(``comix.specs.spec_config``, what the run itself resolves), less what names the grid (methods,
+seeds, seed, run_dir) or only sets how fast it ran (threads). A seed two pooled cases hold is read
+once, from the first: the row's own case.
+"""
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+
+import cases  # cases.RESULTS read at each call: tests point it elsewhere
+
+GRID = {"methods", "seeds", "seed", "run_dir", "threads", "explicit_train"}
+SETTING = ("corpus", "data.mode")  # the paper's column a case stands for
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+@lru_cache(maxsize=None)
+def _settings(folder: str, spec: str, config_text: str) -> tuple:
+    from comix.config import load_config, to_dict
+    from comix.specs import spec_config
+    cfg = spec_config(load_config(text=config_text), spec)
+    flat = {k: v for k, v in _flat(to_dict(cfg)).items() if k.split(".")[0] not in GRID}
+    return tuple(sorted(flat.items(), key=lambda kv: kv[0]))
+
+
+def settings(case: str, spec: str) -> dict:
+    """The effective settings ``spec`` ran under in ``case`` (its committed config.yaml resolved)."""
+    folder = cases.RESULTS / _own(case)
+    return dict(_settings(str(folder), spec, (folder / "config.yaml").read_text()))
+
+
+def difference(case: str, other: str, specs: list[str]) -> str | None:
+    """The first setting under which one of ``specs`` ran differently in ``other`` than in ``case``
+    (None: the same in both)."""
+    for spec in specs:
+        mine, theirs = settings(case, spec), settings(other, spec)
+        for key in sorted(set(mine) | set(theirs)):
+            if mine.get(key) != theirs.get(key):
+                return f"{spec} ran with {key} {_show(theirs.get(key))} there, {_show(mine.get(key))} here"
+    return None
+
+
+def _show(v) -> str:
+    return json.dumps(v) if isinstance(v, (list, dict, str)) or v is None else str(v)
+
+
+def _own(case: str) -> str:
+    """The folder that holds ``case``'s runs (a view's ``runs_of``)."""
+    return json.loads((cases.RESULTS / case / "case.json").read_text()).get("runs_of", case)
+
+
+def candidates(specs: list[str]) -> list[str]:
+    """Every committed case whose own runs hold each of ``specs`` (a view of another case's runs is
+    that case)."""
+    out = []
+    for meta in sorted(cases.RESULTS.glob("*/case.json")):
+        folder = meta.parent
+        if "runs_of" in json.loads(meta.read_text()) or not (folder / "config.yaml").exists():
+            continue
+        held = {json.loads(r.read_text())["method"] for r in folder.glob("seed*/*/results.json")}
+        if all(s in held for s in specs):
+            out.append(folder.name)
+    return out
+
+
+def cases_read(case: str, compared: list[str], gate: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
+    """(the cases a row reads, its own first; [(a case left out, why)]) for a row comparing the two
+    specs ``compared`` on ``case``, gated on ``gate`` (the trivial baseline's own runs, where it has
+    them: a pooled case must hold those too, run the same way). Only cases of the row's setting (its
+    corpus and split mode) are considered: a case on other data measures another column."""
+    own = _own(case)
+    read, left = [case], []
+    for other in candidates(compared):
+        if other == own or any(settings(other, compared[0]).get(k) != settings(case, compared[0]).get(k)
+                               for k in SETTING):
+            continue
+        held = {json.loads(r.read_text())["method"] for r in (cases.RESULTS / other).glob("seed*/*/results.json")}
+        missing = [s for s in gate if s not in held]
+        why = difference(case, other, compared) or (
+            f"it holds no {', '.join(missing)} run (the row's trivial baseline)" if missing
+            else difference(case, other, gate))
+        if why:
+            left.append((other, why))
+        else:
+            read.append(other)
+    return read, left
