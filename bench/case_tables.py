@@ -191,12 +191,20 @@ def privacy_table(meta: dict, runs: dict[str, dict[int, Path]]) -> str:
 
 def settings_table(meta: dict, runs: dict) -> str:
     """CoMiGS Table 1 across settings (bench/reproduce.py): per method, each setting's mean test
-    perplexity over users, mean (std) over seeds, from the setting's own case."""
+    perplexity over users, mean (std) over seeds, from the setting's own case. Each column names
+    its seeds (a grid continued across sessions may hold more seeds in one setting than in
+    another), and a cell over fewer seeds than its column names them."""
     sub = {setting: load_case(case)[1] for setting, case in meta["cases"].items()}
     order = meta.get("order") or list(next(iter(sub.values())))
-    rows = ["| method | " + " | ".join(sub) + " |", "|---" * (len(sub) + 1) + "|"]
+    seeds = {setting: sorted({s for by in runs.values() for s in by}) for setting, runs in sub.items()}
+    rows = ["| method | " + " | ".join(f"{k} (seed{'s' * (len(v) > 1)} {', '.join(map(str, v))})"
+                                       for k, v in seeds.items()) + " |", "|---" * (len(sub) + 1) + "|"]
     for m in order:
-        cells = [_mean_std([_result(d)["mean"] for d in by[m].values()]) if m in by else "-" for by in sub.values()]
+        cells = []
+        for setting, by in sub.items():
+            held = sorted(by.get(m, {}))
+            cells.append("-" if not held else _mean_std([_result(by[m][s])["mean"] for s in held])
+                         + (f" (seed{'s' * (len(held) > 1)} {', '.join(map(str, held))})" if held != seeds[setting] else ""))
         rows.append(f"| {meta.get('names', {}).get(m, m)} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 

@@ -343,20 +343,23 @@ def test_privacy_case_reads_each_spec_s_clip_noise_and_the_epsilon_of_its_last_r
 def test_settings_case_puts_each_setting_s_case_in_its_column(tmp_path, monkeypatch):
     tables = _tables()
     monkeypatch.setattr(sys.modules["cases"], "RESULTS", tmp_path / "results")
-    for case, scores in (("a", {"local": [10.0, 12.0], "fedavg": [20.0, 20.0]}), ("b", {"local": [5.0, 5.0]})):
+    for case, scores in (("a", {"local": [10.0, 12.0], "fedavg": [20.0, 20.0]}), ("b", {"local": [5.0, 5.0]}),
+                         ("c", {"local": [7.0, 9.0, 8.0], "fedavg": [3.0, 4.0]})):
         for m, xs in scores.items():
-            for seed, x in zip((1, 2), xs):
+            for seed, x in zip((1, 2, 3), xs):
                 d = tmp_path / "results" / case / f"seed{seed}" / m
                 d.mkdir(parents=True)
                 (d / "results.json").write_text(json.dumps({"method": m, "mean": x}))
         (tmp_path / "results" / case / "case.json").write_text(json.dumps({"kind": "users"}))
     (tmp_path / "results" / "t").mkdir()
     (tmp_path / "results" / "t" / "case.json").write_text(json.dumps({
-        "kind": "settings", "cases": {"in": "a", "ood": "b"}, "order": ["local", "fedavg"], "names": {"local": "Local"},
-        "command": "c", "machine": "m", "date": "d"}))
+        "kind": "settings", "cases": {"in": "a", "ood": "b", "later": "c"}, "order": ["local", "fedavg"],
+        "names": {"local": "Local"}, "command": "c", "machine": "m", "date": "d"}))
     out = tables.table("t")
-    assert "| method | in | ood |" in out and "| Local | 11.00 (1.00) | 5.00 (0.00) |" in out
-    assert "| fedavg | 20.00 (0.00) | - |" in out
+    # each column names its seeds; a cell over fewer seeds than its column says which
+    assert "| method | in (seeds 1, 2) | ood (seeds 1, 2) | later (seeds 1, 2, 3) |" in out
+    assert "| Local | 11.00 (1.00) | 5.00 (0.00) | 8.00 (0.82) |" in out
+    assert "| fedavg | 20.00 (0.00) | - | 3.50 (0.50) (seeds 1, 2) |" in out
 
 
 def test_global_case_scores_each_method_and_the_dense_base_over_the_domains(tmp_path, monkeypatch):
