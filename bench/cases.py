@@ -91,7 +91,12 @@ def seeds_for_power(effect: float, sd: float, power: float = 0.8, cap: int = 100
     for n in range(2, cap + 1):
         crit = student_t.ppf(0.975, n - 1)
         nc = abs(effect) / sd * n ** 0.5
-        if nct.sf(crit, n - 1, nc) + nct.cdf(-crit, n - 1, nc) >= power:
+        # scipy's noncentral t gives nan for a far tail at a large noncentrality: that tail is
+        # then ~0 (the lower one) or read from its complement (the upper one), not a skipped n
+        upper = nct.sf(crit, n - 1, nc)
+        upper = upper if upper == upper else 1.0 - nct.cdf(crit, n - 1, nc)
+        lower = nct.cdf(-crit, n - 1, nc)
+        if (upper if upper == upper else 1.0) + (lower if lower == lower else 0.0) >= power:
             return n
     return None
 

@@ -226,10 +226,12 @@ def judge(claim: Claim, a: dict, b: dict, trivial: Trivial = Trivial()) -> dict:
         sd = statistics.stdev(diffs)
         effect = paper_gap if claim.same_units else mean
         out["power"] = [seeds_for_power(effect, x) for x in (sd, *sd_range(sd, len(seeds)))]
-    # each model's lead over the trivial baseline, per seed: resolved (2+ seeds), or ahead (1 seed)
+    # each model's lead over the trivial baseline on every seed the case holds it on (not only the
+    # pair's: a model compared on one seed whose lead is unresolved over three is not read on the
+    # one): resolved (2+ seeds), or ahead (1 seed); the counts read the same seeds
     leads = {}
     for name, m in (("a", ma), ("b", mb)):
-        common = [s for s in seeds if s in mt]
+        common = [s for s in m if s in mt]
         lead, lh = paired_interval([sign * (m[s] - mt[s]) for s in common]) if common else (float("nan"),) * 2
         leads[name] = (lead, lh, len(common))
     if mt:
@@ -245,11 +247,15 @@ def judge(claim: Claim, a: dict, b: dict, trivial: Trivial = Trivial()) -> dict:
     beyond = (f"; the paper's gap ({paper_gap:.3g}) is beyond the case's headroom (the better model's lead over "
               f"{trivial.name}, {headroom:.3g}), so its size is not tested") if claim.same_units and not sized else ""
     if unresolved:
-        which = " and ".join(getattr(claim, n) for n in unresolved)
-        k = min(leads[n][2] for n in unresolved)
-        out["verdict"] = f"not testable at this scale: the lead{'s' * (len(unresolved) > 1)} of {which} over the " \
-            f"{trivial.name} {'are' if len(unresolved) > 1 else 'is'} " + \
-            (f"not resolved over {k} seed{'s' * (k != 1)}" if len(seeds) > 1 else "not positive")
+        why = {n: f"not resolved over {leads[n][2]} seeds" if leads[n][2] > 1 else "not positive" for n in unresolved}
+        if len(set(why.values())) == 1:
+            which = " and ".join(getattr(claim, n) for n in unresolved)
+            out["verdict"] = f"not testable at this scale: the lead{'s' * (len(unresolved) > 1)} of {which} over the " \
+                f"{trivial.name} {'are' if len(unresolved) > 1 else 'is'} {why[unresolved[0]]}"
+        else:  # one model unresolved over its seeds, the other behind on its one seed
+            first, second = unresolved
+            out["verdict"] = f"not testable at this scale: the lead of {getattr(claim, first)} over the " \
+                f"{trivial.name} is {why[first]}, that of {getattr(claim, second)} {why[second]}"
     elif len(seeds) < 2:
         agrees = (mean > 0) == (paper_gap > 0)
         out["verdict"] = ("agrees" if agrees else "disagrees") + " in direction (one seed: no interval)"

@@ -512,6 +512,17 @@ def test_a_model_whose_lead_over_the_trivial_baseline_is_not_resolved_makes_the_
                            "resolved over 3 seeds"
     one = page.judge(claim, {1: 60.0}, {1: 49.0}, page.Trivial("untrained base", {1: 50.0}))
     assert one["verdict"] == "not testable at this scale: the lead of b over the untrained base is not positive"
+    # a compared with b on one seed, but held on three where its lead holds 0: not read on the one
+    # (gating on the pair's seeds alone lets a's lucky seed through)
+    lucky = page.judge(claim, {1: 51.0, 2: 45.0, 3: 56.0}, {1: 50.5}, page.Trivial("majority training label",
+                                                                                 {1: 50.0, 2: 53.0, 3: 49.0}))
+    assert lucky["seeds"] == [1] and lucky["verdict"] == \
+        "not testable at this scale: the lead of a over the majority training label is not resolved over 3 seeds"
+    assert lucky["counts"]["a"] == (2, 0, 1)  # the counts read the seeds the gate reads
+    both = page.judge(claim, {1: 51.0, 2: 45.0, 3: 56.0}, {1: 49.0}, page.Trivial("majority training label",
+                                                                                {1: 50.0, 2: 53.0, 3: 49.0}))
+    assert both["verdict"] == "not testable at this scale: the lead of a over the majority training label is not " \
+                              "resolved over 3 seeds, that of b not positive"
     lower = page.Claim("P", "s", "a", "b", 1.0, 2.0, "case", False, "mean")  # perplexity: the base is worse
     assert page.judge(lower, {1: 20.0, 2: 21.0, 3: 20.5}, {1: 22.0, 2: 23.5, 3: 22.6},
                       page.Trivial("untrained base", {1: 40.0, 2: 41.0, 3: 40.5}))["verdict"] == "reproduced"
@@ -546,12 +557,17 @@ def test_holm_keeps_only_the_rows_its_adjusted_p_holds():
 
 
 def test_seeds_for_80_percent_power_follow_the_noncentral_t():
-    import cases
     _results_page()
+    import cases
     # Cohen's tables for a one-sample (paired) two-sided t test at 5 %: d = 1 needs 10, d = 0.5 needs 34
     assert cases.seeds_for_power(1.0, 1.0) == 10 and cases.seeds_for_power(0.5, 1.0) == 34
     assert cases.seeds_for_power(-0.5, 1.0) == 34  # the sign of the gap does not matter
     assert cases.seeds_for_power(0.001, 1.0) is None  # past the cap
+    # a large effect: scipy's far tail is nan there, which must not skip n (2 seeds: power 0.97)
+    assert cases.seeds_for_power(20.0, 1.0) == 2 and cases.seeds_for_power(5.0, 1.0) <= 4
+    # the fewer seeds the larger the effect, never more
+    need = [cases.seeds_for_power(d, 1.0) for d in (0.5, 1, 2, 3, 5, 8, 13, 20, 40)]
+    assert need == sorted(need, reverse=True), need
     low, high = cases.sd_range(1.0, 3)
     assert low == pytest.approx(0.5207, rel=1e-3) and high == pytest.approx(6.285, rel=1e-3)
 
