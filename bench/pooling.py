@@ -45,15 +45,27 @@ def settings(case: str, spec: str) -> dict:
     return dict(_settings(str(folder), spec, (folder / "config.yaml").read_text()))
 
 
-def difference(case: str, other: str, specs: list[str]) -> str | None:
-    """The first setting under which one of ``specs`` ran differently in ``other`` than in ``case``
-    (None: the same in both)."""
+def difference(case: str, other: str, specs: list[str], shown: int = 3) -> str | None:
+    """How the first of ``specs`` that ran differently in ``other`` than in ``case`` differs: its
+    first ``shown`` differing settings, the schedule and the base before the data's sizes (what
+    most changes a result first), and how many differ in all (None: every spec ran the same way)."""
     for spec in specs:
         mine, theirs = settings(case, spec), settings(other, spec)
-        for key in sorted(set(mine) | set(theirs)):
-            if mine.get(key) != theirs.get(key):
-                return f"{spec} ran with {key} {_show(theirs.get(key))} there, {_show(mine.get(key))} here"
+        keys = sorted((k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k)), key=_weight)
+        if keys:
+            said = "; ".join(f"{k} {_show(theirs.get(k))} there, {_show(mine.get(k))} here" for k in keys[:shown])
+            more = f" ({len(keys)} settings differ)" if len(keys) > shown else ""
+            return f"{spec} ran with {said}{more}"
     return None
+
+
+# shown in this order, then the rest: the base, the schedule, the optimiser, the adapters, the data
+FIRST = ("model", "precision", "quant", "train.rounds", "train.local_steps", "train.lr", "train.batch_size",
+         "train.", "lora.", "comigs.", "data.")
+
+
+def _weight(key: str) -> tuple:
+    return next((i for i, p in enumerate(FIRST) if key == p or key.startswith(p)), len(FIRST)), key
 
 
 def _show(v) -> str:

@@ -381,7 +381,7 @@ def results_page() -> str:
     if left:
         rows += ["", "Cases that ran a row's two methods on its data but are not read with it (cases are read "
                  "together only where every method the row reads ran the same way: bench/pooling.py), each with the "
-                 "first setting that differs:", ""]
+                 "settings that differ (the base, the schedule and the optimiser first; three at most, and the count):", ""]
         rows += [f"- `{case}` for {'; '.join(', '.join(rs) for rs in by.values())}: {'; '.join(by)}."
                  for case, by in left.items()]
     return "\n".join(rows)

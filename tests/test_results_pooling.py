@@ -61,6 +61,14 @@ def test_cases_run_the_same_way_are_pooled_and_a_seed_in_both_is_read_from_the_r
     v = page.verdict(claim)
     assert v["cases"] == ["grid", "recent"]
     assert v["left_out"] == [("longer", "comigs-1g1s ran with train.rounds 8 there, 4 here")]
+    # several settings differ: the schedule named before the data's sizes, and the count
+    import pooling
+    here = pooling.settings("grid", "comigs-1g1s")
+    _case(tmp_path, "other", ["train.rounds=4", "data.test_tokens=1024", "train.local_steps=9", "train.eval_every=1",
+                              "train.tau=1"], {"comigs-1g1s": {70: 1.0}, "local": {70: 30.0}, "pretrained": {70: 40.0}})
+    assert page.verdict(claim)["left_out"][1] == (
+        "other", f"comigs-1g1s ran with train.local_steps 9 there, {here['train.local_steps']} here; train.eval_every 1 "
+                 f"there, {here['train.eval_every']} here; train.tau 1 there, {here['train.tau']} here (4 settings differ)")
     assert v["seeds"] == [42, 45, 47] and v["a"] == pytest.approx(20.1)  # seed 42 from grid, not 99
     assert v["verdict"].startswith("reproduced")  # 1.0, 0.9, 1.2 ahead: resolved on the pooled seeds
     assert v["counts"] == {"a": (3, 0, 0), "b": (3, 0, 0)}
