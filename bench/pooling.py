@@ -112,3 +112,13 @@ def cases_read(case: str, compared: list[str], gate: list[str]) -> tuple[list[st
         else:
             read.append(other)
     return read, left
+
+
+def pooled(parts: list[dict]) -> dict:
+    """{key: {seed: x}} of several cases as one: a seed two cases hold, from the first."""
+    out: dict = {}
+    for part in parts:
+        for key, by in part.items():
+            for seed, x in by.items():
+                out.setdefault(key, {}).setdefault(seed, x)
+    return out

@@ -117,15 +117,6 @@ def cases_of(claim: Claim) -> tuple[list[str], list[tuple[str, str]]]:
     return pooling.cases_read(claim.case, [claim.a, claim.b], _gate_specs(claim.case))
 
 
-def _pooled(parts: list[dict]) -> dict:
-    """{key: {seed: x}} of several cases as one: a seed two cases hold, from the first."""
-    out: dict = {}
-    for part in parts:
-        for key, by in part.items():
-            for seed, x in by.items():
-                out.setdefault(key, {}).setdefault(seed, x)
-    return out
-
 
 def _mean(users: dict[int, dict[str, float]]) -> dict[int, float]:
     return {s: statistics.fmean(u.values()) for s, u in users.items() if u}
@@ -143,8 +134,8 @@ class Trivial:
 def _trivial(claim: Claim, cases: list[str]) -> Trivial:
     """The trivial baseline of ``claim``'s row over the cases it reads (a seed two hold, from the first)."""
     parts = [_trivial_of(claim, case) for case in cases]
-    beside = _pooled([dict(p.beside) for p in parts])
-    return Trivial(parts[0].name, _pooled([{"": p.users} for p in parts]).get("", {}), list(beside.items()))
+    beside = pooling.pooled([dict(p.beside) for p in parts])
+    return Trivial(parts[0].name, pooling.pooled([{"": p.users} for p in parts]).get("", {}), list(beside.items()))
 
 
 def _trivial_of(claim: Claim, case: str) -> Trivial:
@@ -189,7 +180,7 @@ def _ce_only(runs: dict, metric: str) -> dict[int, dict[str, float]]:
 
 def verdict(claim: Claim) -> dict:
     cases, left = cases_of(claim)
-    scores = _pooled([_scores(case, claim.metric) for case in cases])
+    scores = pooling.pooled([_scores(case, claim.metric) for case in cases])
     trivial = _trivial(claim, cases)
     out = judge(claim, scores.get(claim.a, {}), scores.get(claim.b, {}), trivial)
     out["cases"], out["left_out"] = cases, left
