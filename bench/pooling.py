@@ -1,12 +1,13 @@
 """Which committed cases a results row reads: its own case, and every other case that ran the row's
-methods under the same settings, pooled seed by seed; every other case that ran both methods is
-left out with the first setting that differs.
+methods under the same settings, pooled seed by seed; every other case that ran both methods on
+the row's data is left out with the settings that differ.
 
 Two cases are pooled for a row only when each method the row reads (its two, and the untrained base
 where that is the trivial baseline) ran under the same effective settings in both: the case's
 committed config.yaml with the method's spec and its authors' defaults applied
 (``comix.specs.spec_config``, what the run itself resolves), less what names the grid (methods,
-seeds, seed, run_dir) or only sets how fast it ran (threads). A seed two pooled cases hold is read
+seeds, seed, run_dir) or only sets how fast it ran (threads), and the list of train keys the user
+set (``spec_config`` has already applied what it decides). A seed two pooled cases hold is read
 once, from the first: the row's own case.
 """
 from __future__ import annotations
