@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import lzma
+import math
 import statistics
 from pathlib import Path
 
@@ -94,9 +95,9 @@ def seeds_for_power(effect: float, sd: float, power: float = 0.8, cap: int = 100
         # scipy's noncentral t gives nan for a far tail at a large noncentrality: that tail is
         # then ~0 (the lower one) or read from its complement (the upper one), not a skipped n
         upper = nct.sf(crit, n - 1, nc)
-        upper = upper if upper == upper else 1.0 - nct.cdf(crit, n - 1, nc)
+        upper = 1.0 - nct.cdf(crit, n - 1, nc) if math.isnan(upper) else upper
         lower = nct.cdf(-crit, n - 1, nc)
-        if (upper if upper == upper else 1.0) + (lower if lower == lower else 0.0) >= power:
+        if (1.0 if math.isnan(upper) else upper) + (0.0 if math.isnan(lower) else lower) >= power:
             return n
     return None
 

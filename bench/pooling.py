@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
+from pathlib import Path
 
 import cases  # cases.RESULTS read at each call: tests point it elsewhere
 
@@ -78,6 +79,12 @@ def _own(case: str) -> str:
     return json.loads((cases.RESULTS / case / "case.json").read_text()).get("runs_of", case)
 
 
+@lru_cache(maxsize=None)
+def _held(folder: str) -> frozenset:
+    """The specs a case folder holds runs of (read once: every row scans every case)."""
+    return frozenset(json.loads(r.read_text())["method"] for r in Path(folder).glob("seed*/*/results.json"))
+
+
 def candidates(specs: list[str]) -> list[str]:
     """Every committed case whose own runs hold each of ``specs`` (a view of another case's runs is
     that case)."""
@@ -86,8 +93,7 @@ def candidates(specs: list[str]) -> list[str]:
         folder = meta.parent
         if "runs_of" in json.loads(meta.read_text()) or not (folder / "config.yaml").exists():
             continue
-        held = {json.loads(r.read_text())["method"] for r in folder.glob("seed*/*/results.json")}
-        if all(s in held for s in specs):
+        if all(s in _held(str(folder)) for s in specs):
             out.append(folder.name)
     return out
 
@@ -103,8 +109,7 @@ def cases_read(case: str, compared: list[str], gate: list[str]) -> tuple[list[st
         if other == own or any(settings(other, compared[0]).get(k) != settings(case, compared[0]).get(k)
                                for k in SETTING):
             continue
-        held = {json.loads(r.read_text())["method"] for r in (cases.RESULTS / other).glob("seed*/*/results.json")}
-        missing = [s for s in gate if s not in held]
+        missing = [s for s in gate if s not in _held(str(cases.RESULTS / other))]
         why = difference(case, other, compared) or (
             f"it holds no {', '.join(missing)} run (the row's trivial baseline)" if missing
             else difference(case, other, gate))

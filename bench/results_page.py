@@ -117,7 +117,6 @@ def cases_of(claim: Claim) -> tuple[list[str], list[tuple[str, str]]]:
     return pooling.cases_read(claim.case, [claim.a, claim.b], _gate_specs(claim.case))
 
 
-
 def _mean(users: dict[int, dict[str, float]]) -> dict[int, float]:
     return {s: statistics.fmean(u.values()) for s, u in users.items() if u}
 
