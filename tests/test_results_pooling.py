@@ -96,5 +96,7 @@ def test_a_case_without_the_rows_trivial_baseline_is_left_out(tmp_path, monkeypa
     import pooling
     _case(tmp_path, "grid", [], {"comigs-1g1s": {42: 20.0}, "fedavg": {42: 21.0}, "pretrained": {42: 40.0}})
     _case(tmp_path, "nobase", [], {"comigs-1g1s": {45: 20.0}, "fedavg": {45: 21.0}})
+    # a case that never ran one of the row's methods does not measure its comparison: not named at all
+    _case(tmp_path, "onlyone", [], {"comigs-1g1s": {47: 20.0}, "pretrained": {47: 40.0}})
     read, left = pooling.cases_read("grid", ["comigs-1g1s", "fedavg"], ["pretrained"])
     assert read == ["grid"] and left == [("nobase", "it holds no pretrained run (the row's trivial baseline)")]
