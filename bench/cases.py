@@ -37,10 +37,13 @@ def load_case(case: str) -> tuple[dict, dict[str, dict[int, Path]]]:
     if "runs_of" in meta:
         source = json.loads((RESULTS / meta["runs_of"] / "case.json").read_text())
         meta = {**meta, **{k: source[k] for k in ("command", "machine", "date")}}
+    # ``seeds``: the seeds this case's table shows, where its runs hold more (a view of costs timed
+    # on one machine, or methods compared on the seeds every one of them ran); a view of a case
+    # reads that case's runs, not its ``seeds``
     for res in sorted((RESULTS / meta.get("runs_of", case)).glob("seed*/*/results.json")):
-        spec = json.loads(res.read_text())["method"]
-        if spec in meta.get("methods", [spec]):
-            runs.setdefault(spec, {})[int(res.parent.parent.name[4:])] = res.parent
+        spec, seed = json.loads(res.read_text())["method"], int(res.parent.parent.name[4:])
+        if spec in meta.get("methods", [spec]) and seed in meta.get("seeds", [seed]):
+            runs.setdefault(spec, {})[seed] = res.parent
     return meta, runs
 
 

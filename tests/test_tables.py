@@ -419,6 +419,32 @@ def test_a_view_case_shows_the_named_methods_of_another_case_s_runs(tmp_path, mo
     assert "| flora |" in tables.table("run") and "| fedit |" in tables.table("run")
 
 
+def test_a_case_s_seeds_keep_the_seeds_its_table_shows_and_a_view_reads_its_own(tmp_path, monkeypatch):
+    """``seeds`` in a case.json keeps those seeds in its table and says so in the footer (costs
+    timed on one machine, where later seeds ran on another); a view of that case reads the runs
+    with its own ``seeds`` (none: every seed), not the source's."""
+    tables = _tables()
+    monkeypatch.setattr(sys.modules["cases"], "RESULTS", tmp_path / "results")
+    for seed, x in ((1, 1.0), (2, 5.0)):
+        d = tmp_path / "results" / "run" / f"seed{seed}" / "fedit"
+        d.mkdir(parents=True)
+        (d / "results.json").write_text(json.dumps({"method": "fedit", "mean": x, "metric": "test_ppl"}))
+        with lzma.open(d / "metrics.jsonl.xz", "wt") as fh:
+            fh.write(json.dumps({"sampled": True, "train_s": 3.0 * seed, "trainable_mb": 1.0, "bytes_up": 2**20,
+                                 "bytes_down": 2**20}) + "\n")
+    (tmp_path / "results" / "run" / "case.json").write_text(json.dumps(
+        {"kind": "compare", "reference": "fedit", "seeds": [1], "command": "c", "machine": "m", "date": "d"}))
+    out = tables.table("run")
+    assert "| fedit | 1.00 | 1.00 |" in out and "5.00" not in out and "(its seeds 1)" in out
+    (tmp_path / "results" / "view").mkdir()
+    (tmp_path / "results" / "view" / "case.json").write_text(json.dumps(
+        {"kind": "compare", "reference": "fedit", "runs_of": "run"}))
+    assert "| fedit | 3.00 (2.00) | 1.00 / 5.00 |" in tables.table("view")
+    (tmp_path / "results" / "view" / "case.json").write_text(json.dumps(
+        {"kind": "costs", "runs_of": "run", "seeds": [2]}))
+    assert "| fedit | 1 | - | 1 | 1 | 6 |" in tables.table("view")
+
+
 def test_vaa_attribution_table_sums_each_run_s_steps_and_splits_the_fall_between_student_and_vaa(tmp_path, monkeypatch):
     """bench/vaa_attribution.py's file: per run (alpha, VAA's lr, warm-up), FM at the first and last
     step, the sums over the steps of FM's change by the student's updates, by VAA's, by both (the
