@@ -262,7 +262,13 @@ def language_shift_scale_table(text: str) -> str:
     runs: dict[tuple, list[str]] = {}
     for name, x in r["scales"].items():
         m = x.get("measured", r)
-        runs.setdefault((m["command"].strip(), m["machine"], m["date"]), []).append(name)
+        # a scale whose seeds ran apart (bench/language_shift_scale.py keeps each seed): each run its seeds
+        for g in m if isinstance(m, list) else [m]:
+            label = name if "seeds" not in g or g["seeds"] == x["seeds"] else \
+                f"{name} seed{'s' if len(g['seeds']) > 1 else ''} {', '.join(map(str, g['seeds']))}"
+            if g.get("wall_s"):  # what a seed cost, for whoever plans the next one
+                label += f" ({', '.join(f'{w / 60:.0f}' for w in g['wall_s'])} min)"
+            runs.setdefault((g["command"].strip(), g["machine"], g["date"]), []).append(label)
     head = (f"On `{r['setting']}`: " + "; ".join(f"{', '.join(names)} by `{c}` ({machine}, {date})"
                                                  for (c, machine, date), names in runs.items()) + "."
             + ("" if not case else " x1 against the committed case's own runs (ours / theirs - 1): "

@@ -33,7 +33,11 @@ them P times; validation and test splits stay the case's.
     python bench/language_shift_scale.py --scales 1 --passes 3.3   # the paper's passes, x1's cost
 
 Writes ``bench/results/language-shift-scale.json``; the runs go to ``runs/language-shift-scale``
-(``--work``).
+(``--work``). Each finished seed of a point is also kept, compressed, in
+``bench/results/language-shift-scale-runs/<point>-seed<s>/`` (results.json, metrics.jsonl.xz and
+``measured.json``: the command, machine, date and wall time that ran it): an x8 seed costs over an
+hour on 2 cores, so a point's seeds may run in different sessions (a session's runs/ may not
+outlive it) and a point's row reads every seed kept, each naming its own run.
 """
 from __future__ import annotations
 
@@ -41,6 +45,7 @@ import argparse
 import json
 import lzma
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -52,6 +57,7 @@ from cases import paired_interval
 
 ROOT = Path(__file__).resolve().parents[1]
 CASE = ROOT / "bench" / "results" / "recent-multilingual"
+KEPT = ROOT / "bench" / "results" / "language-shift-scale-runs"
 METHODS = ("local", "comigs-1g1s")
 # xk -> (rounds, local steps): k x the case's 16 expert iterations
 SCHEDULES = {1: (4, 4), 2: (8, 4), 4: (8, 8), 8: (16, 8)}
@@ -77,18 +83,71 @@ def schedule(scale: int) -> list[str]:
     return [f"train.rounds={rounds}", f"train.local_steps={steps}", f"train.eval_every={max(1, rounds // 2)}"]
 
 
-def run(scale: int, seed: int, work: Path, config: Path, overrides: list[str] = (), passes: float | None = None) -> Path:
-    """Local and CoMiGS-1G1S at ``scale`` on ``seed`` (skipped where finished, resumed where stopped)."""
+def run(scale: int, seed: int, work: Path, config: Path, overrides: list[str] = (), passes: float | None = None,
+        kept: Path | None = KEPT, measured: dict | None = None) -> Path:
+    """Local and CoMiGS-1G1S at ``scale`` on ``seed`` (skipped where finished or kept, resumed where
+    stopped); a finished seed is kept in ``kept`` with ``measured`` (None: a rehearsal, not kept)."""
     out = work / f"{point(scale, passes)}-seed{seed}"
-    if all((out / f"seed{seed}" / m / "results.json").exists() for m in METHODS):
+    if kept is not None and (kept / out.name / "measured.json").exists():
         return out
-    cut = [] if passes is None else [f"data.train_tokens={train_tokens(scale, passes)}".replace(" ", "")]
-    args = ["--resume", str(out)] if out.exists() else \
-        [str(config), "--methods", *METHODS, "--seeds", str(seed), *schedule(scale), *cut, *overrides, f"run_dir={out}"]
-    print(f"{point(scale, passes)} seed {seed}: comix compare {' '.join(args)}", flush=True)
-    subprocess.run([sys.executable, "-m", "comix.cli", "compare", *args], cwd=ROOT, check=True,
-                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if not all((out / f"seed{seed}" / m / "results.json").exists() for m in METHODS):
+        cut = [] if passes is None else [f"data.train_tokens={train_tokens(scale, passes)}".replace(" ", "")]
+        args = ["--resume", str(out)] if out.exists() else \
+            [str(config), "--methods", *METHODS, "--seeds", str(seed), *schedule(scale), *cut, *overrides, f"run_dir={out}"]
+        print(f"{point(scale, passes)} seed {seed}: comix compare {' '.join(args)}", flush=True)
+        subprocess.run([sys.executable, "-m", "comix.cli", "compare", *args], cwd=ROOT, check=True,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if kept is not None and measured is not None:
+        keep(out, seed, kept, measured)
     return out
+
+
+def keep(out: Path, seed: int, kept: Path, measured: dict) -> Path:
+    """A finished point-seed's two runs, compressed, into ``kept/<out's name>/``, whole or not at
+    all (a temp folder, then a rename), with ``measured`` and the wall time from the run folder's
+    first file (its config.yaml, written at the start) to its last results.json."""
+    dest, tmp = kept / out.name, kept / f".{out.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    ends = []
+    for m in METHODS:
+        src = out / f"seed{seed}" / m
+        (tmp / f"seed{seed}" / m).mkdir(parents=True)
+        # one line: results.json holds every user's gates per layer
+        (tmp / f"seed{seed}" / m / "results.json").write_text(json.dumps(json.loads((src / "results.json").read_text())) + "\n")
+        with lzma.open(tmp / f"seed{seed}" / m / "metrics.jsonl.xz", "wt", preset=9) as fh:
+            fh.write((src / "metrics.jsonl").read_text())
+        ends.append((src / "results.json").stat().st_mtime)
+    wall = max(ends) - (out / "config.yaml").stat().st_mtime
+    (tmp / "measured.json").write_text(json.dumps({**measured, "wall_s": round(wall)}, indent=1) + "\n")
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+    return dest
+
+
+def finished(work: Path, kept: Path | None, passes: float | None):
+    """``folder(scale, seed, method)``: that run's folder, in ``work`` where it finished there, else
+    where it was kept."""
+    def folder(scale: int, seed: int, m: str) -> Path:
+        name = f"{point(scale, passes)}-seed{seed}"
+        here = work / name / f"seed{seed}" / m
+        return here if (here / "results.json").exists() or kept is None else kept / name / f"seed{seed}" / m
+    return folder
+
+
+def measured_by(kept: Path, name: str, seeds: list[int]) -> list[dict] | None:
+    """Who ran a point's seeds, from each kept seed's measured.json: [{command, machine, date,
+    seeds, wall_s}], one entry a run; None where a seed was not kept (the file's own command)."""
+    files = [kept / f"{name}-seed{s}" / "measured.json" for s in seeds]
+    if not all(f.exists() for f in files):
+        return None
+    groups: dict[tuple, dict] = {}
+    for s, f in zip(seeds, files):
+        m = json.loads(f.read_text())
+        g = groups.setdefault((m["command"], m["machine"], m["date"]),
+                              {"command": m["command"], "machine": m["machine"], "date": m["date"], "seeds": [], "wall_s": []})
+        g["seeds"].append(s)
+        g["wall_s"].append(m["wall_s"])
+    return list(groups.values())
 
 
 def _rows(folder: Path) -> list[dict]:
@@ -108,10 +167,12 @@ def signals(folder: Path) -> dict:
             "generalist_share": statistics.fmean(statistics.fmean(g[0] for g in u["gates"]) for u in users)}
 
 
-def summarise(scales: list[int], seeds: list[int], folder, pretrained: dict | None, passes: float | None = None) -> dict:
+def summarise(scales: list[int], seeds: list[int], folder, pretrained: dict | None, passes: float | None = None,
+              kept: Path | None = None) -> dict:
     """Per scale, over the seeds whose two runs finished: each method's mean test perplexity per
     seed, the untrained base's, the lead with its interval, and the router's signals averaged over
-    seeds. ``folder(scale, seed, method)``: that run's folder; ``pretrained``: {seed: base ppl}."""
+    seeds. ``folder(scale, seed, method)``: that run's folder; ``pretrained``: {seed: base ppl};
+    ``kept``: where finished seeds are kept (who measured each)."""
     out = {}
     for scale in scales:
         done = [s for s in seeds if all((folder(scale, s, m) / "results.json").exists() for m in METHODS)]
@@ -129,6 +190,8 @@ def summarise(scales: list[int], seeds: list[int], folder, pretrained: dict | No
             "router_valid_loss": [statistics.fmean(v) for v in zip(*(s["router_valid_loss"] for s in sig))],
             "gate_entropy": [statistics.fmean(v) for v in zip(*(s["gate_entropy"] for s in sig))],
             "generalist_share": statistics.fmean(s["generalist_share"] for s in sig)}
+        if kept is not None and (who := measured_by(kept, point(scale, passes), done)):
+            out[point(scale, passes)]["measured"] = who
     return out
 
 
@@ -148,10 +211,10 @@ def kept_scales(earlier: dict, now: dict) -> dict:
             "x1_against_case": now["x1_against_case"] if "x1" in now["scales"] else earlier.get("x1_against_case")}
 
 
-def reproduces_case(work: Path, seeds: list[int]) -> dict[str, float]:
+def reproduces_case(folder, seeds: list[int]) -> dict[str, float]:
     """x1's mean test perplexity relative to the committed case's run of the same method and seed
     (ours / theirs - 1: 0 where it reproduced them; the case ran on another day's machine)."""
-    return {f"{m} seed {s}": json.loads((work / f"x1-seed{s}" / f"seed{s}" / m / "results.json").read_text())
+    return {f"{m} seed {s}": json.loads((folder(1, s, m) / "results.json").read_text())
             ["mean_test_ppl"] / json.loads((CASE / f"seed{s}" / m / "results.json").read_text())["mean_test_ppl"] - 1
             for s in seeds for m in METHODS}
 
@@ -168,21 +231,22 @@ def main() -> None:
                     help="read back the finished runs only (a bench cut short: each scale over the seeds it finished)")
     ap.add_argument("overrides", nargs="*", help="key=value for every run (a rehearsal: model=tiny-llama ...)")
     args = ap.parse_args()
+    # the command that runs them (--no-run only reads back what it ran)
+    command = "python bench/language_shift_scale.py " + " ".join(a for a in sys.argv[1:] if a != "--no-run")
+    machine, kept = f"{os.cpu_count()} cores of an {footprint.cpu_name()}", None if args.overrides else KEPT
     for scale in [] if args.no_run else args.scales:  # every seed of a scale before the next scale
         for seed in args.seeds:
-            run(scale, seed, args.work, CASE / "config.yaml", args.overrides, args.passes)
-    folder = lambda scale, seed, m: args.work / f"{point(scale, args.passes)}-seed{seed}" / f"seed{seed}" / m  # noqa: E731
+            run(scale, seed, args.work, CASE / "config.yaml", args.overrides, args.passes, kept,
+                {"command": command, "machine": machine, "date": time.strftime("%Y-%m-%d")})
+    folder = finished(args.work, kept, args.passes)
     # the untrained base's score does not depend on the schedule: the committed case's runs (the same data)
     pretrained = None if args.overrides else \
         {s: json.loads((CASE / f"seed{s}" / "pretrained" / "results.json").read_text())["mean_test_ppl"] for s in args.seeds}
-    scales = summarise(args.scales, args.seeds, folder, pretrained, args.passes)
+    scales = summarise(args.scales, args.seeds, folder, pretrained, args.passes, kept)
     fig = {"setting": str(CASE.relative_to(ROOT) / "config.yaml"), "methods": list(METHODS), "seeds": args.seeds,
-           "scales": scales, "x1_against_case": reproduces_case(args.work, scales["x1"]["seeds"])
+           "scales": scales, "x1_against_case": reproduces_case(folder, scales["x1"]["seeds"])
            if "x1" in scales and not args.overrides else None, "overrides": args.overrides,
-           # the command that runs them (--no-run only reads back what it ran)
-           "command": "python bench/language_shift_scale.py " + " ".join(a for a in sys.argv[1:] if a != "--no-run"),
-           "date": time.strftime("%Y-%m-%d"),
-           "machine": f"{os.cpu_count()} cores of an {footprint.cpu_name()}"}
+           "command": command, "date": time.strftime("%Y-%m-%d"), "machine": machine}
     if args.result.exists():
         fig = kept_scales(json.loads(args.result.read_text()), fig)
     footprint.write_result(args.result, fig)

@@ -91,3 +91,41 @@ def test_passes_cut_each_user_s_train_split_so_the_schedule_reads_it_that_many_t
            "scales": {"x1-train2048": {"seeds": [7]}}}
     earlier = {**now, "scales": {"x2": {"seeds": [7]}, "x1": {"seeds": [7]}}}
     assert list(bench.kept_scales(earlier, now)["scales"]) == ["x1", "x1-train2048", "x2"]
+
+
+def _finished_seed(work: Path, name: str, seed: int, local: float, comigs: float):
+    """A point-seed's compare folder as comix leaves it: config.yaml first, then each method's run."""
+    (work / name).mkdir(parents=True)
+    (work / name / "config.yaml").write_text("seed: 0\n")
+    _write(work / name / f"seed{seed}" / "local", local)
+    _write(work / name / f"seed{seed}" / "comigs-1g1s", comigs, {"de": [[0.6, 0.4]]}, {"de": [0.5]},
+           [{"round": 1, "user": "de", "router_valid_loss": 3.0 + seed / 100}])
+
+
+def test_a_point_s_seeds_run_in_different_sessions_are_kept_and_read_together(tmp_path, monkeypatch):
+    """A seed kept from an earlier session (its runs/ gone) is read beside one finished here, its
+    router rows and all; a kept seed is not trained again; each seed names the run that measured it."""
+    bench = _bench()
+    work, kept = tmp_path / "runs", tmp_path / "kept"
+    _finished_seed(work, "x8-seed42", 42, 20.0, 21.0)
+    first = {"command": "python bench/language_shift_scale.py --scales 8 --seeds 42", "machine": "m1", "date": "d1"}
+    bench.run(8, 42, work, tmp_path / "config.yaml", kept=kept, measured=first)  # finished: kept, not trained
+    assert json.loads((kept / "x8-seed42" / "measured.json").read_text())["command"] == first["command"]
+    assert (kept / "x8-seed42" / "seed42" / "comigs-1g1s" / "metrics.jsonl.xz").exists()
+    assert not list(kept.glob(".*.tmp"))
+    import shutil
+    shutil.rmtree(work)  # the next session: a fresh work tree
+    monkeypatch.setattr(bench.subprocess, "run", lambda *a, **k: pytest.fail(f"trained a kept seed: {a}"))
+    bench.run(8, 42, work, tmp_path / "config.yaml", kept=kept, measured={**first, "date": "d2"})
+    _finished_seed(work, "x8-seed47", 47, 22.0, 21.5)
+    bench.keep(work / "x8-seed47", 47, kept, {"command": "c47", "machine": "m2", "date": "d2"})
+    (work / "x8-seed47" / "seed47" / "local" / "results.json").write_text(json.dumps({"mean_test_ppl": 23.0, "per_user": {}}))
+    out = bench.summarise([8], [42, 45, 47], bench.finished(work, kept, None), {42: 40.0, 45: 40.0, 47: 40.0},
+                          kept=kept)["x8"]
+    assert out["seeds"] == [42, 47]  # 45 ran nowhere
+    assert out["test_ppl"] == {"local": [20.0, 23.0], "comigs-1g1s": [21.0, 21.5]}  # a run here before its kept copy
+    assert out["router_valid_loss"] == pytest.approx([(3.42 + 3.47) / 2])  # the kept seed's router rows, unpacked
+    assert [(g["command"], g["seeds"]) for g in out["measured"]] == [(first["command"], [42]), ("c47", [47])]
+    assert all(isinstance(w, int) and w >= 0 for g in out["measured"] for w in g["wall_s"])
+    # a rehearsal keeps nothing and reads only its own runs
+    assert bench.finished(work, None, None)(8, 42, "local") == work / "x8-seed42" / "seed42" / "local"

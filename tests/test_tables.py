@@ -762,6 +762,15 @@ def test_the_language_shift_scale_table_reads_each_scale_by_the_results_page_rul
     result["scales"]["x4"]["measured"] = {"command": "python bench/language_shift_scale.py --scales 4", "machine": "m2", "date": "d2"}
     head = language_shift_scale_table(json.dumps(result)).splitlines()[0]  # a scale added later names its own run
     assert "x1, x2 by `python bench/language_shift_scale.py` (m, d); x4 by `python bench/language_shift_scale.py --scales 4` (m2, d2)" in head
+    # a scale whose seeds ran in two sessions (each seed kept): each run names its seeds and their cost
+    result["scales"]["x4"]["measured"] = [
+        {"command": "c8", "machine": "m2", "date": "d2", "seeds": [42, 45], "wall_s": [4140, 4260]},
+        {"command": "c8 --seeds 47", "machine": "m3", "date": "d3", "seeds": [47], "wall_s": [4200]}]
+    head = language_shift_scale_table(json.dumps(result)).splitlines()[0]
+    assert "; x4 seeds 42, 45 (69, 71 min) by `c8` (m2, d2); x4 seed 47 (70 min) by `c8 --seeds 47` (m3, d3)." in head
+    result["scales"]["x4"]["measured"] = result["scales"]["x4"]["measured"][:1]
+    result["scales"]["x4"]["measured"][0]["seeds"] = [42, 45, 47]  # one run, every seed: the scale's name alone
+    assert "; x4 (69, 71 min) by `c8` (m2, d2)." in language_shift_scale_table(json.dumps(result)).splitlines()[0]
     for x in result["scales"].values():  # a gain inside the seeds' noise: nothing to read
         x["pretrained_test_ppl"] = [21.0, 19.0, 22.0]
     assert all("| not testable (a model's gain over the untrained base is not resolved) |" in ln
