@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections import Counter
 from dataclasses import dataclass, field
 
 import pooling
 from cases import RESULTS, _result, holm, load_case, paired_interval, paired_p, sd_range, seeds_for_power
 
 from comix.comparison import client_majority_accuracy
+from comix.models.devices import assign_devices
 
 
 @dataclass(frozen=True)
@@ -305,9 +307,10 @@ def ran(case: str) -> str:
              + (", test topics held out" if data.get("mode") == "ood" else ""),
              f"{users} clients" + (f" (Dirichlet alpha {data['alpha']:g})" if data.get("partition") == "dirichlet" else ""),
              cfg["model"], f"{train['rounds']} rounds x {train['local_steps']} steps"]
-    devices = (cfg.get("deepfusion") or {}).get("devices")
-    if devices:
-        parts.append("devices " + ", ".join(devices))
+    deepfusion = cfg.get("deepfusion") or {}
+    if deepfusion.get("devices"):  # the models the clients run, as drawn for them (not the specs' list)
+        drawn = Counter(assign_devices(deepfusion["devices"], users, deepfusion.get("assign_seed", 0)))
+        parts.append("devices " + ", ".join(f"{n}x {spec}" for spec, n in drawn.most_common()))
     return ", ".join(parts)
 
 

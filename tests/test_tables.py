@@ -816,3 +816,17 @@ def test_the_mutation_sweep_names_where_and_when_each_modules_mutants_ran(tmp_pa
     for r in one["mutants"]:
         r.update(machine="EPYC", date="d2")
     assert "(EPYC, d2): 2 of 2" in mutation_sweep_table(json.dumps(one))
+
+
+def test_a_distillation_row_names_the_models_its_clients_were_drawn_to_run(tmp_path, monkeypatch):
+    """A row's "comix ran" reads DeepFusion's devices as the clients run them (DeepFusion's own draw,
+    counted), not the list of specs it draws from: the committed Gemma case's four clients are three
+    Gemma-3-270M and one pruned SmolLM2 on every seed (docs/deepfusion-cases.md's per-device rows)."""
+    page = _results_page()
+    assert page.ran("deepfusion-cpu-qa-open-gemma-n4").endswith("devices 3x gemma3-270m, 1x prune:30:1536:512")
+    from comix.algorithms import TrainConfig, make_algorithm
+    from comix.models import LoRAConfig
+    from comix.models.devices import assign_devices
+    specs = ["base", "prune:2:32", "random-gpt2:2:64"]
+    method = make_algorithm("deepfusion", LoRAConfig(), TrainConfig(rounds=1), 7, devices=specs, assign_seed=3)
+    assert method.spec_of == assign_devices(specs, 7, 3) != assign_devices(specs, 7, 4)  # the label's draw is the method's

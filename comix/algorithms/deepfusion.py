@@ -28,7 +28,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-import random
 import time
 
 import torch
@@ -38,7 +37,7 @@ from ..progress import step as phase_step
 from ..data import calibration_docs, sample_batch
 from ..data.embed import MINILM, SentenceEncoder
 from ..models.base import tokenizer_source
-from ..models.devices import build_device_model, device_layers, device_problems, parse_device_spec
+from ..models.devices import assign_devices, build_device_model, device_layers, device_problems, parse_device_spec
 from ..models.upcycle import expert_params, upcycle
 from ..models.qlora import QLORA, lora_layers, own_weights, qlora_model, reset_lora
 from ..models.kd import OFABranches, check_same_vocabulary, hidden_width, kd_loss
@@ -109,9 +108,7 @@ class DeepFusion(Algorithm):
         self.devices = list(devices or ["base", "prune:15:768", "random-gpt2:6:384"])
         for spec in self.devices:
             parse_device_spec(spec)  # one line naming a malformed spec, before anything loads
-        # "each edge device is randomly assigned to operate one of the on-device LLMs" (Sec. V-A)
-        rng = random.Random(assign_seed)
-        self.spec_of = [rng.choice(self.devices) for _ in range(n_clients)]
+        self.spec_of = assign_devices(self.devices, n_clients, assign_seed)
         self.k, self.top_k, self.encoder_name = experts, top_k, encoder
         self.embed_examples, self.embed_tokens = embed_examples, embed_tokens
         self.stages, self.queries, self.vaa_dim, self.vaa_heads = stages, queries, vaa_dim, vaa_heads

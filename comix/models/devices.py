@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import random
 import zlib
 
 import torch
@@ -47,6 +48,14 @@ def parse_device_spec(spec: str) -> tuple[str, tuple[int, ...]]:
             raise ValueError(f"deepfusion.devices: {spec!r}: the width must be a multiple of 64 (heads of 64)")
         return head, tuple(int(p) for p in parts)
     return "pretrained", ()
+
+
+def assign_devices(devices: list[str], n_clients: int, seed: int) -> list[str]:
+    """Each client's on-device model spec: "each edge device is randomly assigned to operate one of
+    the on-device LLMs" (DeepFusion Sec. V-A), drawn with ``seed`` (the same on every run seed, so
+    seeds vary the data and the training, not which model a client runs)."""
+    rng = random.Random(seed)
+    return [rng.choice(devices) for _ in range(n_clients)]
 
 
 def device_problems(spec: str, base_config) -> list[str]:
