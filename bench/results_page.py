@@ -357,7 +357,7 @@ def results_page() -> str:
                     + " + ".join(f"`bench/results/{_folder(case)}/`" for case in v["cases"]) + " |")
     # each case once: how it was made (its scale is in its command and config), on what machine, when
     rows += ["", "The cases: the command that runs the rows' methods again from the case's committed config "
-             "(tests/test_tables.py derives every run's settings from it), then how the case was made (command; "
+             "(tests/test_tables.py derives every run's training settings from it; the untrained base's, which trains nothing, but for its schedule), then how the case was made (command; "
              "machine; date):", ""]
     specs = read_specs(CLAIMS)
     made = {}
