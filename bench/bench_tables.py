@@ -252,6 +252,8 @@ def language_shift_scale_table(text: str) -> str:
         sched = " x ".join(map(str, x["rounds_x_local_steps"]))
         if cut := x.get("train_tokens_per_user"):  # the train split cut so the schedule reads it several times
             sched += f" on {cut:,} train tokens a user ({x['passes']:g} pass{'' if x['passes'] == 1 else 'es'})"
+        elif read := x.get("passes_read"):  # the case's own splits: how far the schedule reads into them
+            sched += f" ({read[0]:.1%} to {read[1]:.1%} of a pass)"
         rows.append(f"| {name} | {sched} | {' / '.join(map(str, x['seeds']))} | "
                     f"{'-' if base is None else cell(base)} | {cell(x['test_ppl']['local'])} | "
                     f"{cell(x['test_ppl']['comigs-1g1s'])} | {ci} | {verdict(base, x['test_ppl'], mean, half)} | "

@@ -19,7 +19,9 @@ resumes with comix's ``--resume``) and reads:
   * the router's signals: the validation CE its steps read, per round (``router_valid_loss``,
     the mean over users: does the router's own objective fall?), each layer's mean per-token gate
     entropy at the end (log 2 = 0.693 is an even mix of the two experts, 0 a hard choice) and
-    the generalist's share (the mean gate of expert 0 over layers and users).
+    the generalist's share (the mean gate of expert 0 over layers and users);
+  * how far each point's schedule reads into a user's training split (``passes_read``: the fewest
+    and most passes over the users).
 x1 repeats the committed case's own runs: the result says how near it came to them.
 
 The scales above stay far under one pass over a user's data (x8 reads 65,536 of its ~550,000
@@ -76,6 +78,14 @@ def train_tokens(scale: int, passes: float, users: int = 4) -> list[int]:
     """Each user's training tokens so that ``scale``'s schedule reads them ``passes`` times."""
     rounds, steps = SCHEDULES[scale]
     return [round(rounds * steps * TOKENS_PER_STEP / passes)] * users
+
+
+def passes_read(x: dict, case_train_tokens: list[int]) -> list[float]:
+    """The fewest and most passes a point's schedule reads over a user's training split: its rounds x
+    local steps of TOKENS_PER_STEP over the split as the point cut it, else as the case holds it."""
+    rounds, steps = x["rounds_x_local_steps"]
+    splits = [x["train_tokens_per_user"]] if x.get("train_tokens_per_user") else case_train_tokens
+    return [rounds * steps * TOKENS_PER_STEP / max(splits), rounds * steps * TOKENS_PER_STEP / min(splits)]
 
 
 def schedule(scale: int) -> list[str]:
@@ -249,6 +259,11 @@ def main() -> None:
            "command": command, "date": time.strftime("%Y-%m-%d"), "machine": machine}
     if args.result.exists():
         fig = kept_scales(json.loads(args.result.read_text()), fig)
+    # every point, kept ones too: where the schedule stands against one pass over a user's data (a
+    # rehearsal's overrides may change the data or the batch: not read)
+    splits = [u["train"]["size"] for u in json.loads((CASE / "partition.json").read_text()).values()]
+    for x in [] if args.overrides else fig["scales"].values():
+        x["passes_read"] = passes_read(x, splits)
     footprint.write_result(args.result, fig)
     print(json.dumps({k: v["comigs_lead_over_local"] for k, v in fig["scales"].items()}, indent=1))
     print(f"wrote {args.result}")

@@ -87,6 +87,10 @@ def test_passes_cut_each_user_s_train_split_so_the_schedule_reads_it_that_many_t
     out = bench.summarise([1], [7], lambda scale, seed, m: tmp_path / m, None, passes=4.0)
     assert list(out) == ["x1-train2048"] and out["x1-train2048"]["train_tokens_per_user"] == 2048 and out["x1-train2048"]["passes"] == 4.0
     assert bench.summarise([1], [7], lambda scale, seed, m: tmp_path / m, None)["x1"]["train_tokens_per_user"] is None
+    # passes read: the schedule's tokens (rounds x steps x 4 x 128) over the cut split, else the case's splits
+    assert bench.passes_read(out["x1-train2048"], [10**6]) == pytest.approx([4.0, 4.0])
+    assert bench.passes_read({"rounds_x_local_steps": [16, 8], "train_tokens_per_user": None},
+                             [655_360, 524_288]) == pytest.approx([0.1, 0.125])  # fewest over the largest split
     now = {"setting": "s", "overrides": [], "command": "c", "date": "d", "machine": "m", "x1_against_case": None,
            "scales": {"x1-train2048": {"seeds": [7]}}}
     earlier = {**now, "scales": {"x2": {"seeds": [7]}, "x1": {"seeds": [7]}}}

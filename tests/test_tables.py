@@ -780,8 +780,10 @@ def test_the_language_shift_scale_table_reads_each_scale_by_the_results_page_rul
     cut = {**scale([20.0, 20.5, 20.2], [21.0, 21.4, 21.1]), "train_tokens_per_user": 2482, "passes": 3.3}
     result["scales"] = {"x1-train2482": cut}  # a train split cut to 2,482 tokens: 16 steps of 4 x 128 read it 3.3 times
     assert "| x1-train2482 | 4 x 4 on 2,482 train tokens a user (3.3 passes) |" in language_shift_scale_table(json.dumps(result))
-    result["scales"] = {"x1": scale([20.0], [21.0])}
-    assert "| one seed: direction only |" in language_shift_scale_table(json.dumps(result))
+    result["scales"] = {"x1": {**scale([20.0], [21.0]), "passes_read": [0.1046, 0.121]}}
+    table = language_shift_scale_table(json.dumps(result))
+    assert "| one seed: direction only |" in table
+    assert "| x1 | 4 x 4 (10.5% to 12.1% of a pass) |" in table  # the case's own splits, fewest to most
 
 
 def test_the_mutation_sweep_names_where_and_when_each_modules_mutants_ran(tmp_path, monkeypatch):
