@@ -85,7 +85,8 @@ def passes_read(x: dict, case_train_tokens: list[int]) -> list[float]:
     local steps of TOKENS_PER_STEP over the split as the point cut it, else as the case holds it."""
     rounds, steps = x["rounds_x_local_steps"]
     splits = [x["train_tokens_per_user"]] if x.get("train_tokens_per_user") else case_train_tokens
-    return [rounds * steps * TOKENS_PER_STEP / max(splits), rounds * steps * TOKENS_PER_STEP / min(splits)]
+    read = rounds * steps * TOKENS_PER_STEP
+    return [read / max(splits), read / min(splits)]
 
 
 def schedule(scale: int) -> list[str]:
